@@ -1,0 +1,146 @@
+"""Jitted entry points of plain decoding: prefill and the on-device decode loop.
+
+Shape-setting values live in the frozen `Buckets` (a static argument); per-request values travel in
+`SamplingArrays`, so a new prompt length in the same bucket or new sampling values never trace again.
+Every entry point is jitted here and only here, with the decode state donated (its KV cache is updated in
+place across calls).
+
+The last emitted token of each sequence is NOT yet in the KV cache: the next forward (a one-token decode step,
+or a speculative verify step with that token as the tree root) writes it. This is the invariant the
+speculative engine shares.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax.kv_cache import KVCache, init_cache
+from specjax.models.llama import LlamaConfig, forward
+from specjax.sampling import SamplingArrays, process_logits, sample, uniforms
+
+FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Static shapes of one compiled program."""
+
+    batch: int  # sequences per call (padded with inactive rows)
+    prompt_len: int  # padded prompt length
+    max_new: int  # size of the output buffer (>= every request's max_new_tokens)
+    capacity: int  # KV cache slots per sequence
+    num_stop: int = 4  # stop-id slots per request
+
+
+def _pow2(n: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, (n - 1)).bit_length())
+
+
+def make_buckets(batch: int, max_prompt: int, max_new: int, extra_slots: int = 0, num_stop: int = 4) -> Buckets:
+    """Round the request shapes up to buckets; `extra_slots` reserves room for speculative tokens."""
+    p = _pow2(max_prompt, 16)
+    n = _pow2(max_new, 16)
+    cap = -(-(p + n + extra_slots) // 128) * 128
+    return Buckets(_pow2(batch, 1), p, n, cap, _pow2(max(num_stop, 1), 4))
+
+
+class DecodeState(NamedTuple):
+    cache: KVCache
+    last_token: jax.Array  # [B] int32: emitted, not yet in the cache
+    out_tokens: jax.Array  # [B, max_new] int32 (-1 = empty)
+    num_new: jax.Array  # [B] int32 tokens emitted so far
+    finish: jax.Array  # [B] int32 FINISH_*
+    step: jax.Array  # [B] int32 decode steps taken (RNG stream position)
+
+
+def emit(state: DecodeState, tokens: jax.Array, count: jax.Array, sampling: SamplingArrays) -> DecodeState:
+    """Append up to K tokens per sequence to the output, honouring stop ids and max_new_tokens exactly.
+
+    tokens [B, K] int32, count [B] int32 (how many of the K are offered). The run is cut after the first stop
+    token (which is kept, like eos in HF) and at the request's budget; finished rows take nothing.
+    Returns the state with out_tokens/num_new/finish/last_token updated (the cache is untouched).
+    """
+    B, K = tokens.shape
+    j = jnp.arange(K)[None, :]
+    active = state.finish == FINISH_RUNNING
+    is_stop = jnp.any(tokens[:, :, None] == sampling.stop_ids[:, None, :], axis=-1)  # -1 padding never matches
+    offered = (j < count[:, None]) & active[:, None]
+    budget = sampling.max_new_tokens - state.num_new  # [B]
+    # Position of the first stop among the offered tokens (K if none): tokens after it are dropped.
+    first_stop = jnp.min(jnp.where(is_stop & offered, j, K), axis=1)
+    take = jnp.minimum(jnp.minimum(jnp.where(active, count, 0), first_stop + 1), jnp.maximum(budget, 0))
+    keep = j < take[:, None]
+    dst = state.num_new[:, None] + j
+    b = jnp.arange(B)[:, None]
+    out = state.out_tokens.at[b, jnp.where(keep, dst, state.out_tokens.shape[1])].set(tokens, mode="drop")
+    num_new = state.num_new + take
+    stopped = active & (first_stop < take)
+    hit_len = active & ~stopped & (num_new >= sampling.max_new_tokens)
+    finish = jnp.where(stopped, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, state.finish))
+    last = jnp.take_along_axis(tokens, jnp.clip(take - 1, 0, K - 1)[:, None], axis=1)[:, 0]
+    last_token = jnp.where(take > 0, last, state.last_token)
+    return state._replace(out_tokens=out, num_new=num_new, finish=finish, last_token=last_token)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "buckets"))
+def prefill(params: dict, config: LlamaConfig, buckets: Buckets, prompts: jax.Array, prompt_lens: jax.Array,
+            active: jax.Array, sampling: SamplingArrays) -> DecodeState:
+    """Prefill right-padded prompts [B, P] (lengths [B]) and emit each sequence's first token.
+
+    active [B] bool marks real rows (inactive padding rows start finished). Jitted; nothing donated.
+    """
+    c = config
+    B, P = prompts.shape
+    cache = init_cache(c.num_layers, B, buckets.capacity, c.num_kv_heads, c.head_dim, params["embed"].dtype)
+    positions = jnp.broadcast_to(jnp.arange(P)[None, :], (B, P))
+    out = forward(params, c, prompts, positions, cache, logit_positions=(prompt_lens - 1)[:, None])
+    probs = process_logits(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p)
+    step0 = jnp.zeros((B,), jnp.int32)
+    first = sample(probs, uniforms(sampling.seed, step0, ())).astype(jnp.int32)
+    state = DecodeState(
+        cache=out.cache._replace(lengths=prompt_lens.astype(jnp.int32)),
+        last_token=first,
+        out_tokens=jnp.full((B, buckets.max_new), -1, jnp.int32),
+        num_new=jnp.zeros((B,), jnp.int32),
+        finish=jnp.where(active, FINISH_RUNNING, FINISH_LENGTH).astype(jnp.int32),
+        step=step0 + 1,
+    )
+    return emit(state, first[:, None], jnp.ones((B,), jnp.int32), sampling)
+
+
+def decode_step(params: dict, config: LlamaConfig, state: DecodeState, sampling: SamplingArrays,
+                attention_fn=None) -> DecodeState:
+    """One plain decode step for every sequence: forward the last token, sample, emit. Pure, not jitted."""
+    cache = state.cache
+    out = forward(params, config, state.last_token[:, None], cache.lengths[:, None], cache, attention_fn=attention_fn)
+    probs = process_logits(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p)
+    tok = sample(probs, uniforms(sampling.seed, state.step, ())).astype(jnp.int32)
+    running = state.finish == FINISH_RUNNING
+    cache = out.cache._replace(lengths=cache.lengths + running.astype(jnp.int32))
+    state = state._replace(cache=cache, step=state.step + running.astype(jnp.int32))
+    return emit(state, tok[:, None], jnp.ones_like(tok), sampling)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention_fn"), donate_argnames=("state",))
+def decode_loop(params: dict, config: LlamaConfig, state: DecodeState, sampling: SamplingArrays,
+                max_steps: jax.Array, attention_fn=None) -> DecodeState:
+    """Decode until every sequence finished or `max_steps` (a traced scalar) steps were taken.
+
+    The whole loop is one `lax.while_loop` on device. A host streaming tokens calls it repeatedly with a small
+    max_steps; a plain generation calls it once with a large one: the same compiled program either way.
+    Jitted; `state` is donated (its KV cache is reused in place).
+    """
+    def cond(carry):
+        st, i = carry
+        return jnp.any(st.finish == FINISH_RUNNING) & (i < max_steps)
+
+    def body(carry):
+        st, i = carry
+        return decode_step(params, config, st, sampling, attention_fn), i + 1
+
+    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+    return state

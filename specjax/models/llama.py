@@ -1,0 +1,271 @@
+"""A Llama-family decoder as pure functions over a params pytree.
+
+Covers Llama 1/2/3 (incl. Llama-3 `rope_scaling`), SmolLM, Mistral-without-sliding-window and Qwen2 (q/k/v
+biases). One `forward` serves prefill, one-token decode and chain/tree verification: it writes the K/V of the
+T new tokens into the cache at slots [lengths[b], lengths[b] + T) and attends with either a tree mask
+(ancestor-or-self among the new tokens, everything below `lengths` visible) or an arbitrary dense mask.
+It never changes `cache.lengths`: only the caller knows how many of the T tokens are kept.
+
+Params pytree (stacked over layers so the layer loop is one `lax.scan`, which keeps compile times short):
+    embed       [V, H]
+    layers      attn_norm [L, H], wq [L, H, Hq*D], wk/wv [L, H, Hkv*D], (bq [L, Hq*D], bk/bv [L, Hkv*D]),
+                wo [L, Hq*D, H], mlp_norm [L, H], w_gate/w_up [L, H, F], w_down [L, F, H]
+    final_norm  [H]
+    lm_head     [H, V]   (absent when the embeddings are tied)
+`param_axes(config)` gives the same tree with logical axis names for sharding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax.kv_cache import KVCache, write_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture of a Llama-family model. Frozen and hashable: it is a static argument of every jit."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3 scaling as a sorted tuple of (key, value) so the config stays hashable; None = plain RoPE.
+    rope_scaling: tuple | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    architecture: str = "llama"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+
+class ForwardOutput(NamedTuple):
+    logits: jax.Array  # [B, K, V] float32 (K = T, or the number of logit_positions)
+    hidden: jax.Array  # [B, T, H] final hidden state after the last norm (what the LM head reads)
+    layer_hidden: jax.Array | None  # [len(hidden_layers), B, T, H] residual stream after the requested layers
+    cache: KVCache
+
+
+def param_axes(config: LlamaConfig) -> dict:
+    """Logical axis names of every parameter (same tree structure as the params)."""
+    layers = {
+        "attn_norm": ("layers", "embed"),
+        "wq": ("layers", "embed", "heads"),
+        "wk": ("layers", "embed", "kv_heads"),
+        "wv": ("layers", "embed", "kv_heads"),
+        "wo": ("layers", "heads", "embed"),
+        "mlp_norm": ("layers", "embed"),
+        "w_gate": ("layers", "embed", "mlp"),
+        "w_up": ("layers", "embed", "mlp"),
+        "w_down": ("layers", "mlp", "embed"),
+    }
+    if config.attention_bias:
+        layers.update(bq=("layers", "heads"), bk=("layers", "kv_heads"), bv=("layers", "kv_heads"))
+    axes = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
+    if not config.tie_word_embeddings:
+        axes["lm_head"] = ("embed", "vocab")
+    return axes
+
+
+def param_shapes(config: LlamaConfig) -> dict:
+    """Expected shape of every parameter (same tree structure as the params)."""
+    c = config
+    L, H, F = c.num_layers, c.hidden_size, c.intermediate_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layers = {
+        "attn_norm": (L, H), "wq": (L, H, q), "wk": (L, H, kv), "wv": (L, H, kv), "wo": (L, q, H),
+        "mlp_norm": (L, H), "w_gate": (L, H, F), "w_up": (L, H, F), "w_down": (L, F, H),
+    }
+    if c.attention_bias:
+        layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    shapes = {"embed": (c.vocab_size, H), "layers": layers, "final_norm": (H,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (H, c.vocab_size)
+    return shapes
+
+
+def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
+    """Random params (for tests and for training a draft model from scratch)."""
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    keys = jax.random.split(key, len(leaves))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
+    # Norm weights start at one (identity), everything else small and random.
+    out = [jnp.ones(shape, dtype) if "norm" in path else (scale * jax.random.normal(k, shape)).astype(dtype)
+           for k, shape, path in zip(keys, leaves, paths)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32 (bf16 variance loses too much), result in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> jax.Array:
+    """[D/2] inverse frequencies, with Llama-3 frequency-dependent scaling when configured."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    sc = config.rope_scaling_dict
+    if not sc:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return inv / sc["factor"]
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}: supported are 'llama3' and 'linear'")
+    factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old = sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+    smooth = (old / wavelen - lo) / (hi - lo)
+    scaled = jnp.where(wavelen > old / lo, inv / factor, inv)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    is_mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+    return jnp.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x [B, T, N, D], positions [B, T] -> [B, T, N, D]."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def dense_mask(lengths: jax.Array, tree_mask: jax.Array, capacity: int) -> jax.Array:
+    """[B, T, S] bool: slot s is visible to new token t iff s < lengths[b], or s = lengths[b] + j with tree_mask[b, t, j]."""
+    T = tree_mask.shape[-1]
+    s = jnp.arange(capacity)
+    rel = s[None, :] - lengths[:, None]  # [B, S]: index among the new tokens, or negative for the prefix
+    prefix = rel < 0
+    in_tree = (rel >= 0) & (rel < T)
+    tree_part = jnp.take_along_axis(
+        tree_mask, jnp.broadcast_to(jnp.clip(rel, 0, T - 1)[:, None, :], tree_mask.shape[:2] + (capacity,)), axis=2
+    )
+    return prefix[:, None, :] | (in_tree[:, None, :] & tree_part)
+
+
+def reference_attention(q, k, v, mask, scale):
+    """q [B, T, Hq, D], k/v [B, S, Hkv, D], mask [B, T, S] bool -> [B, T, Hq, D]. GQA without repeating K/V."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None, :, :], s, -jnp.inf)
+    w = jax.nn.softmax(s, axis=-1)
+    # A row with no visible key (padding queries) gives NaN from softmax; zero it so it never spreads.
+    w = jnp.where(jnp.isnan(w), 0.0, w).astype(v.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", w, v, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+AttentionFn = Callable[..., jax.Array]  # (q, k, v, lengths, tree_mask, *, scale) -> out, see specjax.kernels
+
+
+def forward(
+    params: dict,
+    config: LlamaConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    tree_mask: jax.Array | None = None,
+    *,
+    mask: jax.Array | None = None,
+    hidden_layers: tuple[int, ...] = (),
+    logit_positions: jax.Array | None = None,
+    attention_fn: AttentionFn | None = None,
+    compute_logits: bool = True,
+) -> ForwardOutput:
+    """Run the decoder on T new tokens per sequence.
+
+    tokens [B, T] int32, positions [B, T] int32 (RoPE positions: for trees, prefix length + node depth).
+    tree_mask [B, T, T] bool: which new tokens each new token sees (causal for prefill and chains, the
+    ancestor-or-self mask for trees). Defaults to causal. `mask` [B, T, S] bool overrides it with an arbitrary
+    mask over all cache slots (reference attention only).
+    hidden_layers: indices of layers whose output (residual stream) is returned in `layer_hidden`.
+    logit_positions [B, K] int32: compute logits only at these of the T positions (prefill needs one).
+    attention_fn: verify-attention implementation (q, k, v, lengths, tree_mask, scale=) from the backend
+    registry; None = the XLA reference. Not jitted here: callers jit their entry points.
+    """
+    B, T = tokens.shape
+    c = config
+    if tree_mask is None:
+        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    if mask is not None and attention_fn is not None:
+        raise ValueError("a dense `mask` works only with the reference attention (attention_fn=None)")
+    S = cache.capacity
+    if mask is None and attention_fn is None:
+        mask = dense_mask(cache.lengths, tree_mask, S)
+    inv_freq = rope_inv_freq(c)
+    scale = 1.0 / math.sqrt(c.head_dim)
+    dtype = params["embed"].dtype
+    x = jnp.take(params["embed"], tokens, axis=0)  # [B, T, H]
+
+    def layer(carry, inputs):
+        x, ck, cv = carry
+        lp, i = inputs
+        h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
+        q = h @ lp["wq"]
+        k = h @ lp["wk"]
+        v = h @ lp["wv"]
+        if c.attention_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        q = apply_rope(q.reshape(B, T, c.num_heads, c.head_dim), positions, inv_freq)
+        k = apply_rope(k.reshape(B, T, c.num_kv_heads, c.head_dim), positions, inv_freq)
+        v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
+        ck, cv = write_kv(ck, cv, i, k, v, cache.lengths)
+        layer_k, layer_v = ck[i], cv[i]
+        if attention_fn is None:
+            a = reference_attention(q, layer_k, layer_v, mask, scale)
+        else:
+            a = attention_fn(q, layer_k, layer_v, cache.lengths, tree_mask, scale=scale)
+        x = x + a.reshape(B, T, -1) @ lp["wo"]
+        h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+        return (x, ck, cv), (x if hidden_layers else None)
+
+    (x, ck, cv), per_layer = jax.lax.scan(
+        layer, (x, cache.k, cache.v), (params["layers"], jnp.arange(c.num_layers))
+    )
+    layer_hidden = per_layer[jnp.asarray(hidden_layers)] if hidden_layers else None
+    x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    logits = None
+    if compute_logits:
+        xs = x if logit_positions is None else jnp.take_along_axis(x, logit_positions[..., None], axis=1)
+        logits = lm_head(params, xs)
+    return ForwardOutput(logits, x, layer_hidden, cache._replace(k=ck, v=cv))
+
+
+def lm_head(params: dict, x: jax.Array) -> jax.Array:
+    """x [..., H] -> logits [..., V] float32 (tied embeddings when there is no `lm_head`)."""
+    if "lm_head" in params:
+        return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
+
+
+def cast_params(params: dict, dtype) -> dict:
+    return jax.tree_util.tree_map(lambda a: a.astype(dtype), params)

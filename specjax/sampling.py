@@ -1,0 +1,109 @@
+"""Logits processing shared by plain decoding, the drafters and the acceptance sampler.
+
+One function turns logits into the distribution that is actually sampled from: temperature, then top-k, then
+top-p, each per request as arrays (so new values never recompile). temperature == 0 means greedy and yields the
+one-hot of the argmax, which makes greedy a special case of every acceptance mode.
+
+Top-k and top-p are sort-free: the cut-off value is found by bisection over the values themselves (32 halvings
+of the value range), which needs only compares and sums. That keeps the program free of sorts (Neuron's
+compiler handles them poorly) and costs O(32 V), small next to the LM head. Ties at the cut-off are all kept,
+for p and q alike, so the processing stays a deterministic function of the logits.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+_BISECT_STEPS = 32
+
+
+class SamplingArrays(NamedTuple):
+    """Per-request sampling values as arrays, batch-first. Built by `specjax.api` from SamplingParams."""
+
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_k: jax.Array  # [B] int32, 0 = off
+    top_p: jax.Array  # [B] float32, 1 = off
+    seed: jax.Array  # [B] uint32
+    max_new_tokens: jax.Array  # [B] int32
+    stop_ids: jax.Array  # [B, K] int32, -1 = unused slot
+
+
+def _top_k_threshold(x: jax.Array, k: jax.Array) -> jax.Array:
+    """Largest t with count(x >= t) >= k. x [..., V] (finite), k [...] int -> [...]."""
+    lo = jnp.min(x, axis=-1)
+    hi = jnp.max(x, axis=-1)
+
+    def body(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo) / 2
+        ok = jnp.sum(x >= mid[..., None], axis=-1) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, body, (lo, hi))
+    # hi itself may already keep k values (when the k-th largest value is exactly hi).
+    return jnp.where(jnp.sum(x >= hi[..., None], axis=-1) >= k, hi, lo)
+
+
+def _top_p_threshold(p: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Largest t with sum(p[p >= t]) >= top_p. p [..., V] probabilities, top_p [...] -> [...]."""
+    lo = jnp.zeros(p.shape[:-1], p.dtype)
+    hi = jnp.max(p, axis=-1)
+
+    def body(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo) / 2
+        ok = jnp.sum(jnp.where(p >= mid[..., None], p, 0.0), axis=-1) >= top_p
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, body, (lo, hi))
+    return jnp.where(jnp.sum(jnp.where(p >= hi[..., None], p, 0.0), axis=-1) >= top_p, hi, lo)
+
+
+def process_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """logits [B, ..., V] -> probabilities [B, ..., V] float32 that sampling uses.
+
+    temperature/top_k/top_p are [B] and broadcast over the middle axes (tree nodes, chain positions).
+    """
+    logits = logits.astype(jnp.float32)
+    extra = logits.ndim - 2
+    expand = lambda a: a.reshape(a.shape + (1,) * extra)
+    t, k, tp = expand(temperature.astype(jnp.float32)), expand(top_k.astype(jnp.int32)), expand(top_p.astype(jnp.float32))
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    scaled = logits / jnp.where(t > 0, t, 1.0)[..., None]
+    kk = jnp.where(k > 0, jnp.minimum(k, logits.shape[-1]), logits.shape[-1])
+    kth = _top_k_threshold(scaled, kk)
+    scaled = jnp.where(scaled >= kth[..., None], scaled, -jnp.inf)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    pth = _top_p_threshold(probs, tp)
+    probs = jnp.where((tp[..., None] >= 1.0) | (probs >= pth[..., None]), probs, 0.0)
+    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    return jnp.where((t > 0)[..., None], probs, greedy)
+
+
+def sample(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """Inverse-CDF sample. probs [..., V] (need not be normalised), u [...] in [0, 1) -> [...] int32.
+
+    Never returns a zero-probability token: rounding in the cumulative sum could otherwise step past the last
+    nonzero entry when u is close to 1.
+    """
+    probs = probs.astype(jnp.float32)
+    cdf = jnp.cumsum(probs, axis=-1)
+    total = cdf[..., -1:]
+    idx = jnp.sum(cdf <= u[..., None] * total, axis=-1).astype(jnp.int32)
+    V = probs.shape[-1]
+    last_nonzero = (V - 1 - jnp.argmax((probs > 0)[..., ::-1], axis=-1)).astype(jnp.int32)
+    return jnp.minimum(idx, last_nonzero)
+
+
+def request_key(seed: jax.Array, step: jax.Array, stream: int = 0) -> jax.Array:
+    """Deterministic per-request key for a decode step: the same seed gives the same tokens in any batch."""
+    key = jax.random.PRNGKey(seed)
+    return jax.random.fold_in(jax.random.fold_in(key, step), stream)
+
+
+def uniforms(seed: jax.Array, step: jax.Array, shape: tuple[int, ...], stream: int = 0) -> jax.Array:
+    """[B, *shape] uniforms, one independent stream per request (seed [B], step [B] or scalar)."""
+    step = jnp.broadcast_to(step, seed.shape)
+    return jax.vmap(lambda s, i: jax.random.uniform(request_key(s, i, stream), shape))(seed, step)
