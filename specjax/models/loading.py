@@ -163,30 +163,26 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig, 
             raise ModelLoadError(f"{where}: tensor {name!r} is missing")
         return tensors[name]
 
-    L = config.num_layers
-    def stack(fmt, transpose=True):
-        arrs = [get(fmt.format(i)) for i in range(L)]
-        return np.stack([a.T if transpose else a for a in arrs])
+    def layer(i):
+        p = f"model.layers.{i}."
+        lp = {
+            "attn_norm": get(p + "input_layernorm.weight"),
+            "wq": get(p + "self_attn.q_proj.weight").T,
+            "wk": get(p + "self_attn.k_proj.weight").T,
+            "wv": get(p + "self_attn.v_proj.weight").T,
+            "wo": get(p + "self_attn.o_proj.weight").T,
+            "mlp_norm": get(p + "post_attention_layernorm.weight"),
+            "w_gate": get(p + "mlp.gate_proj.weight").T,
+            "w_up": get(p + "mlp.up_proj.weight").T,
+            "w_down": get(p + "mlp.down_proj.weight").T,
+        }
+        if config.attention_bias:
+            lp.update(bq=get(p + "self_attn.q_proj.bias"), bk=get(p + "self_attn.k_proj.bias"),
+                      bv=get(p + "self_attn.v_proj.bias"))
+        return lp
 
-    p = "model.layers.{}."
-    layers = {
-        "attn_norm": stack(p + "input_layernorm.weight", False),
-        "wq": stack(p + "self_attn.q_proj.weight"),
-        "wk": stack(p + "self_attn.k_proj.weight"),
-        "wv": stack(p + "self_attn.v_proj.weight"),
-        "wo": stack(p + "self_attn.o_proj.weight"),
-        "mlp_norm": stack(p + "post_attention_layernorm.weight", False),
-        "w_gate": stack(p + "mlp.gate_proj.weight"),
-        "w_up": stack(p + "mlp.up_proj.weight"),
-        "w_down": stack(p + "mlp.down_proj.weight"),
-    }
-    if config.attention_bias:
-        layers.update(
-            bq=stack(p + "self_attn.q_proj.bias", False),
-            bk=stack(p + "self_attn.k_proj.bias", False),
-            bv=stack(p + "self_attn.v_proj.bias", False),
-        )
-    params = {"embed": get("model.embed_tokens.weight"), "layers": layers, "final_norm": get("model.norm.weight")}
+    params = {"embed": get("model.embed_tokens.weight"), "layers": [layer(i) for i in range(config.num_layers)],
+              "final_norm": get("model.norm.weight")}
     if not config.tie_word_embeddings:
         params["lm_head"] = get("lm_head.weight").T
     return params
@@ -296,40 +292,40 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict, Any]:
             raise ModelLoadError(f"{path}: tensor {name!r} is missing from the GGUF file")
         return _dequantize(tensors[name], path)
 
-    L = config.num_layers
-    def stack(fmt, transpose=True, fix=None):
-        out = []
-        for i in range(L):
-            a = get(fmt.format(i))
-            if fix is not None:
-                a = fix(a)
-            out.append(a.T if transpose else a)
-        return np.stack(out)
-
     # The converter interleaves Q/K rows for llama.cpp's rotary layout only for llama; qwen2 keeps HF order.
     permute = config.architecture == "LlamaForCausalLM"
-    fix_q = (lambda a: unpermute_rope_rows(a, config.num_heads)) if permute else None
-    fix_k = (lambda a: unpermute_rope_rows(a, config.num_kv_heads)) if permute else None
-    layers = {
-        "attn_norm": stack("blk.{}.attn_norm.weight", False),
-        "wq": stack("blk.{}.attn_q.weight", fix=fix_q),
-        "wk": stack("blk.{}.attn_k.weight", fix=fix_k),
-        "wv": stack("blk.{}.attn_v.weight"),
-        "wo": stack("blk.{}.attn_output.weight"),
-        "mlp_norm": stack("blk.{}.ffn_norm.weight", False),
-        "w_gate": stack("blk.{}.ffn_gate.weight"),
-        "w_up": stack("blk.{}.ffn_up.weight"),
-        "w_down": stack("blk.{}.ffn_down.weight"),
-    }
-    if config.attention_bias:
-        layers.update(
-            bq=stack("blk.{}.attn_q.bias", False), bk=stack("blk.{}.attn_k.bias", False),
-            bv=stack("blk.{}.attn_v.bias", False),
-        )
-    params = {"embed": get("token_embd.weight"), "layers": layers, "final_norm": get("output_norm.weight")}
+    fix_q = (lambda a: unpermute_rope_rows(a, config.num_heads)) if permute else (lambda a: a)
+    fix_k = (lambda a: unpermute_rope_rows(a, config.num_kv_heads)) if permute else (lambda a: a)
+    def layer(i):
+        p = f"blk.{i}."
+        lp = {
+            "attn_norm": get(p + "attn_norm.weight"),
+            "wq": fix_q(get(p + "attn_q.weight")).T,
+            "wk": fix_k(get(p + "attn_k.weight")).T,
+            "wv": get(p + "attn_v.weight").T,
+            "wo": get(p + "attn_output.weight").T,
+            "mlp_norm": get(p + "ffn_norm.weight"),
+            "w_gate": get(p + "ffn_gate.weight").T,
+            "w_up": get(p + "ffn_up.weight").T,
+            "w_down": get(p + "ffn_down.weight").T,
+        }
+        if config.attention_bias:
+            lp.update(bq=get(p + "attn_q.bias"), bk=get(p + "attn_k.bias"), bv=get(p + "attn_v.bias"))
+        return lp
+
+    params = {"embed": get("token_embd.weight"), "layers": [layer(i) for i in range(config.num_layers)],
+              "final_norm": get("output_norm.weight")}
     if not config.tie_word_embeddings:
         params["lm_head"] = get("output.weight").T
     return config, params, reader
+
+
+def jax_tree_asarray(tree, dtype):
+    """Every NumPy leaf as a jax array of `dtype` (the device copy happens here, once)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), tree)
 
 
 def check_shapes(params: dict, config: LlamaConfig, where: str) -> None:
@@ -356,8 +352,6 @@ class LoadedModel:
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", with_tokenizer: bool = True) -> LoadedModel:
     """Resolve a model spec and load config, params (as jax arrays of `dtype`) and tokenizer."""
-    import jax.numpy as jnp
-
     if dtype not in ("float32", "bfloat16"):
         raise ModelLoadError(f"unsupported dtype {dtype!r}; use 'float32' or 'bfloat16'")
     files = resolve_model(spec)
@@ -375,6 +369,5 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", with_tokenizer
 
             tokenizer = Tokenizer.from_hf_dir(files.path)
     check_shapes(params, config, files.path)
-    params = {k: (jnp.asarray(v, dtype) if not isinstance(v, dict) else {n: jnp.asarray(a, dtype) for n, a in v.items()})
-              for k, v in params.items()}
+    params = jax_tree_asarray(params, dtype)
     return LoadedModel(config, params, tokenizer, files)

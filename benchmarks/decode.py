@@ -1,0 +1,151 @@
+"""Plain-decoding throughput of specjax against this machine's memory-bandwidth roofline and HF transformers.
+
+    python benchmarks/decode.py [--model smollm2-135m] [--new-tokens 128] [--batches 1 8] [--no-hf] [--json out.json]
+
+For each dtype and batch size: tokens/s of greedy decoding (the on-device while loop, prefill excluded), the
+roofline (weight bytes read per decode step / measured copy bandwidth, i.e. the best tokens/s a memory-bound
+decoder can reach) and the ratio to it. transformers' greedy `generate` on the same dequantized weights runs
+side by side (float32, same prompts, same number of new tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PROMPTS = [
+    "Explain how a rainbow forms.", "Write a short poem about autumn leaves.",
+    "What are the benefits of regular exercise?", "Describe the water cycle in simple terms.",
+    "Give three tips for learning a new language.", "Why is the sky blue?",
+    "Summarize the plot of a detective story you invent.", "How do airplanes stay in the air?",
+]
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
+    """Bytes/s of a large memory copy, read + written bytes counted (the STREAM 'copy' convention): the best of
+    NumPy's copy into a preallocated buffer and a donated (in-place) XLA elementwise pass. Preallocating
+    matters: a fresh output buffer would time page faults, not memory."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    f = jax.jit(lambda a: a * 1.0000001, donate_argnums=0)
+    y = f(jnp.ones((nbytes // 4,), jnp.float32))
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+        t = time.perf_counter()
+        y = f(y)
+        y.block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def weight_bytes(params) -> int:
+    """Bytes read per decode step: every weight once (the embedding gather reads one row, but a tied LM head
+    reads the whole table)."""
+    return int(sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params)))
+
+
+def bench_specjax(llm, batch: int, new_tokens: int, reps: int = 2) -> dict:
+    from specjax import engine
+    from specjax.api import pad_prompts
+    from specjax.config import SamplingParams
+
+    prompts = [llm.encode_prompt(p, chat=True) for p in (PROMPTS * 4)[:batch]]
+    sp = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)] * batch
+    b = engine.make_buckets(batch, max(map(len, prompts)), new_tokens)
+    toks, lens, active = pad_prompts(prompts, b.batch, b.prompt_len)
+    sampling = llm.sampling_arrays(sp, b.batch, b.num_stop)
+    best = float("inf")
+    for r in range(reps + 1):
+        state = engine.prefill(llm.params, llm.config, b, toks, lens, active, sampling)
+        jax.block_until_ready(state)
+        t = time.perf_counter()
+        state = engine.decode_loop(llm.params, llm.config, state, sampling, jnp.int32(2 ** 30))
+        jax.block_until_ready(state)
+        dt = time.perf_counter() - t
+        if r:  # the first round compiles
+            best = min(best, dt)
+    steps = new_tokens - 1  # the first token comes from prefill
+    return {"batch": batch, "tokens_per_s": batch * steps / best, "step_ms": 1000 * best / steps}
+
+
+def bench_hf(model_spec: str, batch: int, new_tokens: int) -> dict | None:
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        print(f"transformers not available ({e}); skipping the HF column")
+        return None
+    from specjax.models.loading import resolve_model
+
+    files = resolve_model(model_spec)
+    kw = {"gguf_file": os.path.basename(files.path)} if files.kind == "gguf" else {}
+    d = os.path.dirname(files.path) if files.kind == "gguf" else files.path
+    tok = AutoTokenizer.from_pretrained(d, **kw)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **kw).eval()
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in (PROMPTS * 4)[:batch]]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    best = float("inf")
+    with torch.no_grad():
+        for r in range(2):
+            t = time.perf_counter()
+            model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            best = min(best, time.perf_counter() - t)
+    return {"batch": batch, "tokens_per_s": batch * new_tokens / best}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from specjax.api import LLM
+
+    bw = copy_bandwidth()
+    print(f"machine: {platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__} on {jax.default_backend()}")
+    print(f"measured copy bandwidth: {bw / 1e9:.1f} GB/s")
+    rows = []
+    for dtype in args.dtypes:
+        llm = LLM(args.model, dtype=dtype)
+        wb = weight_bytes(llm.params)
+        roof = bw / wb
+        for batch in args.batches:
+            r = bench_specjax(llm, batch, args.new_tokens)
+            # At batch B one step reads the weights once and yields B tokens.
+            r.update(engine="specjax", dtype=dtype, weight_mb=wb / 1e6, roofline_tokens_per_s=roof * batch,
+                     roofline_ratio=r["tokens_per_s"] / (roof * batch))
+            rows.append(r)
+            print(f"specjax {dtype:8s} batch {batch:2d}: {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.1f} ms  "
+                  f"roofline {roof * batch:8.1f} tok/s  ratio {r['roofline_ratio']:.2f}")
+    if not args.no_hf:
+        for batch in args.batches:
+            h = bench_hf(args.model, batch, args.new_tokens)
+            if h:
+                h.update(engine="transformers", dtype="float32")
+                rows.append(h)
+                ours = next(r for r in rows if r["engine"] == "specjax" and r["batch"] == batch and r["dtype"] == "float32")
+                print(f"transformers float32 batch {batch:2d}: {h['tokens_per_s']:8.1f} tok/s  "
+                      f"(specjax f32 is {ours['tokens_per_s'] / h['tokens_per_s']:.2f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bandwidth_gbs": bw / 1e9, "rows": rows, "new_tokens": args.new_tokens}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
