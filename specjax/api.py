@@ -39,6 +39,7 @@ class RequestMetrics:
     acceptance_rate: float | None = None  # alpha = accepted / drafted
     mean_accepted_length: float | None = None  # tau = (accepted + verify steps) / verify steps
     verify_steps: int | None = None
+    target_forwards: int | None = None  # prefill + verify steps + plain steps
     per_position_acceptance: list[float] | None = None
     draft_time: float | None = None
     verify_time: float | None = None

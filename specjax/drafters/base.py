@@ -1,0 +1,50 @@
+"""The one drafter interface.
+
+A drafter is a frozen, hashable dataclass holding only static settings (it is a static jit argument); its
+weights travel separately as `dparams` and its evolving state as `dstate`, both pytrees. Three pure steps:
+
+    init(dparams, target_params, prompts [B, P], prompt_lens [B], capacity) -> dstate
+    propose(dparams, dstate, ctx: DraftContext) -> (Proposal, dstate)
+    update(dparams, dstate, ctx: DraftContext, result: AcceptResult) -> dstate
+
+`tree` fixes the node budget N and the maximum depth of every proposal; `mode` names how the proposal was
+drawn, which decides the acceptance rule ("deterministic" for lookups and top-k trees, "iid" / "wor" for
+sampled drafts, whose q the proposal must carry).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+
+from specjax.sampling import SamplingArrays
+from specjax.tree import TreeSpec
+
+
+class DraftContext(NamedTuple):
+    history: jax.Array  # [B, Hc] int32: prompt + every emitted token (last_token included)
+    hist_len: jax.Array  # [B] int32
+    last_token: jax.Array  # [B] int32: the root of the next tree, not yet in the target's cache
+    lengths: jax.Array  # [B] int32: committed target cache entries (= hist_len - 1)
+    sampling: SamplingArrays
+    step: jax.Array  # [B] int32: RNG stream position
+    target_hidden: Any  # [B, H] final hidden state at the last accepted node, or None
+
+
+class Proposal(NamedTuple):
+    tokens: jax.Array  # [B, N] int32; node 0 is the root (= ctx.last_token)
+    parents: jax.Array  # [B, N] int32; parents[:, 0] = -1
+    valid: jax.Array  # [B, N] bool; padding nodes False (never accepted, never anyone's parent)
+    q: Any  # [B, N, V] float32: q[:, i] = distribution the children of node i were drawn from; None if deterministic
+
+
+class Drafter(Protocol):
+    tree: TreeSpec
+    mode: str
+    needs_hidden: bool
+
+    def init(self, dparams, target_params, prompts, prompt_lens, capacity: int): ...
+
+    def propose(self, dparams, dstate, ctx: DraftContext): ...
+
+    def update(self, dparams, dstate, ctx: DraftContext, result): ...

@@ -1,0 +1,91 @@
+"""A separate, smaller Llama-family draft model proposing a chain of gamma sampled (or greedy) tokens.
+
+The draft keeps its own KV cache in `dstate`. Its committed length is derived from the target's every step
+(target length - 1), and the first draft forward of a step feeds the last two tokens of the history: that
+rewrites one entry that may already be there (same value) and covers the case where every draft token was
+accepted and the last one never went through the draft. So rejections need no cache repair at all.
+
+Optional reduced draft vocabulary: with `d2t` [Vd] (draft index -> target id) the draft's LM head covers Vd
+tokens only, and its full-vocabulary q puts zero mass elsewhere (the acceptance rule is lossless for any q).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.drafters.base import DraftContext, Proposal
+from specjax.kv_cache import init_cache
+from specjax.models.llama import LlamaConfig, forward
+from specjax.sampling import process_logits, sample, uniforms
+from specjax.tree import TreeSpec, chain
+
+DRAFT_STREAM = 2  # RNG stream of draft sampling, distinct from the target's
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelDrafter:
+    config: LlamaConfig
+    num_speculative_tokens: int = 4
+    target_vocab_size: int = 0
+    mode: str = "iid"
+    needs_hidden: bool = False
+
+    @property
+    def tree(self) -> TreeSpec:
+        return chain(self.num_speculative_tokens)
+
+    def init(self, dparams, target_params, prompts, prompt_lens, capacity):
+        c = self.config
+        B, P = prompts.shape
+        cache = init_cache(c.num_layers, B, capacity, c.num_kv_heads, c.head_dim, dparams["params"]["embed"].dtype)
+        pos = jnp.broadcast_to(jnp.arange(P)[None], (B, P))
+        out = forward(dparams["params"], c, prompts, pos, cache, compute_logits=False)
+        return out.cache._replace(lengths=prompt_lens.astype(jnp.int32))
+
+    def update(self, dparams, dstate, ctx, result):
+        return dstate
+
+    def _q(self, dparams, logits, sampling):
+        """Draft logits [B, Vd] -> (q over the target vocabulary [B, V], sampling probs over the draft vocab)."""
+        probs = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        d2t = dparams.get("d2t")
+        if d2t is None:
+            return probs, probs
+        full = jnp.zeros(probs.shape[:-1] + (self.target_vocab_size,), probs.dtype).at[..., d2t].set(probs)
+        return full, probs
+
+    def _to_target(self, dparams, idx):
+        d2t = dparams.get("d2t")
+        return idx if d2t is None else jnp.take(d2t, idx)
+
+    def propose(self, dparams, dstate, ctx: DraftContext):
+        c, g = self.config, self.num_speculative_tokens
+        params = dparams["params"]
+        B = ctx.last_token.shape[0]
+        L = ctx.lengths
+        u = uniforms(ctx.sampling.seed, ctx.step, (g,), stream=DRAFT_STREAM)  # [B, g]
+        prev = jnp.take_along_axis(ctx.history, jnp.maximum(L - 1, 0)[:, None], axis=1)[:, 0]
+        toks = jnp.stack([prev, ctx.last_token], axis=1)
+        pos = jnp.stack([L - 1, L], axis=1)
+        cache = dstate._replace(lengths=L - 1)
+        out = forward(params, c, toks, pos, cache, logit_positions=jnp.ones((B, 1), jnp.int32))
+        q0, s0 = self._q(dparams, out.logits[:, 0], ctx.sampling)
+        x0 = self._to_target(dparams, sample(s0, u[:, 0]).astype(jnp.int32))
+        cache = out.cache._replace(lengths=L + 1)
+
+        def body(carry, uk):
+            cache, x = carry
+            o = forward(params, c, x[:, None], cache.lengths[:, None], cache)
+            qk, sk = self._q(dparams, o.logits[:, 0], ctx.sampling)
+            xk = self._to_target(dparams, sample(sk, uk).astype(jnp.int32))
+            return (o.cache._replace(lengths=cache.lengths + 1), xk), (xk, qk)
+
+        (cache, _), (xs, qs) = jax.lax.scan(body, (cache, x0), u[:, 1:].T)
+        drafted = jnp.concatenate([x0[:, None], xs.T], axis=1)  # [B, g]
+        q = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)  # [B, g, V]: q[:, i] drew node i+1
+        q = jnp.concatenate([q, q[:, -1:]], axis=1)  # the leaf's row is never read
+        tokens = jnp.concatenate([ctx.last_token[:, None], drafted], axis=1)
+        parents = jnp.broadcast_to(jnp.asarray(self.tree.parents_array), (B, g + 1))
+        return Proposal(tokens, parents, jnp.ones((B, g + 1), bool), q), cache

@@ -1,0 +1,170 @@
+"""Host side of speculative generation: build the drafter from a SpeculativeConfig, run the engine, report.
+
+`generate(llm, ...)` is what `LLM.generate(..., speculative_config=...)` calls. JAX drafters run the fused
+on-device loop (`spec_engine.spec_loop`); with `profile=True`, and for host-side drafters (suffix decoding),
+the host steps the same jitted verify+accept function and times drafting and verification apart.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import engine, spec_engine
+from specjax.config import SpeculativeConfig
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.ngram import NgramDrafter
+
+
+class SpeculativeConfigError(ValueError):
+    """The speculative configuration cannot be used with this target model."""
+
+
+def build_drafter(llm, spec: SpeculativeConfig):
+    """(drafter, dparams) for a config; cached on the LLM so repeated calls reuse weights and compilations."""
+    key = (spec.method, spec.num_speculative_tokens, spec.model, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if key in llm._drafters:
+        return llm._drafters[key]
+    g = spec.num_speculative_tokens
+    if spec.method == "ngram":
+        built = NgramDrafter(g, spec.prompt_lookup_min, spec.prompt_lookup_max), {}
+    elif spec.method == "draft_model":
+        built = _draft_model(llm, spec)
+    elif spec.method == "suffix":
+        from specjax.drafters.suffix import SuffixDrafter
+
+        built = SuffixDrafter.from_config(spec), {}
+    else:
+        raise SpeculativeConfigError(
+            f"speculative method {spec.method!r} is not available in this build of specjax; "
+            "available: 'ngram', 'draft_model', 'suffix'")
+    llm._drafters[key] = built
+    return built
+
+
+def _draft_model(llm, spec: SpeculativeConfig):
+    from specjax.models.loading import load_model, resolve_model
+
+    path = resolve_draft_path(spec.model)
+    cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else None
+    if cfg_file and "specjax_draft" in open(cfg_file).read():
+        from specjax.train.draft import load_draft
+
+        config, params, d2t = load_draft(path, llm.params)
+        if config.vocab_size != llm.config.vocab_size:
+            raise SpeculativeConfigError(
+                f"draft model {spec.model!r} was built for a vocabulary of {config.vocab_size} tokens, the target "
+                f"has {llm.config.vocab_size}; a draft must share the target's tokenizer")
+        dparams = {"params": jax.tree_util.tree_map(lambda a: a.astype(llm.params["embed"].dtype), params),
+                   "d2t": jnp.asarray(d2t, jnp.int32)}
+    else:
+        resolve_model(path)
+        loaded = load_model(path, llm.dtype, with_tokenizer=False)
+        config = loaded.config
+        if config.vocab_size != llm.config.vocab_size:
+            raise SpeculativeConfigError(
+                f"draft model {spec.model!r} has a vocabulary of {config.vocab_size} tokens, the target has "
+                f"{llm.config.vocab_size}; a draft must share the target's tokenizer")
+        dparams = {"params": loaded.params}
+    return DraftModelDrafter(config, spec.num_speculative_tokens, llm.config.vocab_size), dparams
+
+
+def resolve_draft_path(model: str | None) -> str:
+    """A draft path as given, or relative to the installed package (the shipped `assets/...` drafts)."""
+    if model is None:
+        raise SpeculativeConfigError("method 'draft_model' needs `model`: the path of the draft model")
+    if os.path.exists(model):
+        return model
+    packaged = os.path.join(os.path.dirname(os.path.abspath(__file__)), model)
+    if os.path.exists(packaged):
+        return packaged
+    raise SpeculativeConfigError(f"draft model path {model!r} does not exist (also looked in {packaged})")
+
+
+def generate(llm, prompts, ids, params, spec: SpeculativeConfig, *, profile: bool = False):
+    drafter, dparams = build_drafter(llm, spec)
+    extra = drafter.tree.num_nodes
+    for i, (t, sp) in enumerate(zip(ids, params)):
+        llm._check(i, t, sp, extra)
+    n = len(ids)
+    b = engine.make_buckets(n, max(map(len, ids)), max(p.max_new_tokens for p in params), extra_slots=extra)
+    from specjax.api import pad_prompts
+
+    tokens, lens, active = pad_prompts(ids, b.batch, b.prompt_len)
+    sampling = llm.sampling_arrays(params, b.batch, b.num_stop)
+    t0 = time.perf_counter()
+    state = spec_engine.spec_prefill(llm.params, llm.config, dparams, drafter, b, tokens, lens, active, sampling)
+    jax.block_until_ready(state.dec.last_token)
+    ttft = time.perf_counter() - t0
+    draft_time = verify_time = None
+    host = None
+    if getattr(drafter, "host_side", False):
+        from specjax.drafters.suffix import SuffixHostState
+        from specjax.drafters.suffix_tree import SuffixIndex
+
+        if "suffix_global" not in llm._drafters:
+            llm._drafters["suffix_global"] = [SuffixIndex(drafter.max_depth, max_sequences=SUFFIX_GLOBAL_SEQS), 0]
+        glob = llm._drafters["suffix_global"]
+        host = SuffixHostState(drafter, glob[0], ids)
+    if host is not None or profile:
+        state, draft_time, verify_time = host_loop(llm, drafter, dparams, state, sampling, n, host)
+    else:
+        state = spec_engine.spec_loop(llm.params, llm.config, dparams, drafter, state, sampling, jnp.int32(2 ** 30),
+                                      attention_fn=llm._attention_fn)
+    jax.block_until_ready(state.dec.num_new)
+    total = time.perf_counter() - t0
+    if host is not None:
+        outs = np.asarray(state.dec.out_tokens)
+        glob[1] = host.finish([outs[i, :int(state.dec.num_new[i])].tolist() for i in range(n)], glob[1])
+    return [llm._output(prompts[i], ids[i], np.asarray(state.dec.out_tokens[i, :int(state.dec.num_new[i])]),
+                        np.asarray(state.dec.finish[i]), ttft, total,
+                        **spec_metrics(state.stats, i, draft_time, verify_time, spec.is_lossy))
+            for i in range(n)]
+
+
+SUFFIX_GLOBAL_SEQS = 256  # earlier generations kept in the global suffix cache (FIFO)
+
+
+def host_loop(llm, drafter, dparams, state, sampling, n, host=None):
+    """Step from the host: propose (jitted, or on the host for host-side drafters), then the jitted
+    verify+accept. Returns (state, draft seconds, verify seconds)."""
+    draft_t = verify_t = 0.0
+    while np.any(np.asarray(state.dec.finish)[:n] == engine.FINISH_RUNNING):
+        t = time.perf_counter()
+        if host is not None:
+            proposal, dstate = host.propose(state, n), state.dstate
+        else:
+            proposal, dstate = spec_engine.propose_jit(dparams, drafter, state, sampling)
+        jax.block_until_ready(proposal.tokens)
+        t2 = time.perf_counter()
+        state = state._replace(dstate=dstate)
+        state = spec_engine.verify_accept_jit(llm.params, llm.config, drafter.tree, drafter.mode, state, proposal,
+                                              sampling, attention_fn=llm._attention_fn)
+        jax.block_until_ready(state.dec.num_new)
+        t3 = time.perf_counter()
+        draft_t += t2 - t
+        verify_t += t3 - t2
+        if host is not None:
+            host.observe(state, n)
+    return state, draft_t, verify_t
+
+
+def spec_metrics(stats, i: int, draft_time, verify_time, lossy: bool) -> dict:
+    steps = int(stats.verify_steps[i])
+    plain = int(stats.plain_steps[i])
+    drafted = int(stats.drafted[i])
+    accepted = int(stats.accepted[i])
+    pd = np.asarray(stats.pos_drafted[i])
+    pa = np.asarray(stats.pos_accepted[i])
+    return dict(
+        drafted=drafted, accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        # tokens per target forward; a plain step (nothing proposed anywhere in the batch) yields one
+        mean_accepted_length=(accepted + steps + plain) / (steps + plain) if steps + plain else 1.0,
+        verify_steps=steps, target_forwards=steps + plain + 1,
+        per_position_acceptance=[float(a / d) if d else 0.0 for a, d in zip(pa, pd)],
+        draft_time=draft_time, verify_time=verify_time, lossy=lossy,
+    )

@@ -1,0 +1,209 @@
+"""The speculative engine: draft -> verify (one target forward over every proposed node) -> accept -> compact.
+
+One pure step function, `spec_step`, shared by every drafter:
+  1. the drafter proposes a tree (a chain is a one-branch tree) whose root is the last emitted token;
+  2. the target runs ONE forward over all N nodes, writing their K/V at [length, length + N), with the
+     ancestor mask and positions length + depth(node);
+  3. the shared acceptance sampler (`specjax.acceptance`) walks the tree with the target's processed
+     distributions, giving the accepted path and one more token (correction or bonus);
+  4. the accepted path's K/V move into place (`kv_cache.compact`), the tokens are emitted with exact stop and
+     max_new_tokens handling, and the per-position acceptance counters advance.
+
+`spec_loop` runs the step in a `lax.while_loop` on device (drafters that are JAX functions); host-side drafters
+and profiling call `verify_accept` per step from the host with the proposal computed outside.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax import acceptance
+from specjax.drafters.base import DraftContext, Proposal
+from specjax.engine import FINISH_RUNNING, Buckets, DecodeState, decode_step, emit, prefill
+from specjax.kv_cache import compact
+from specjax.models.llama import LlamaConfig, forward
+from specjax.sampling import SamplingArrays, process_logits, uniforms
+from specjax.tree import TreeSpec, ancestor_mask_from_parents
+
+TARGET_STREAM = 1  # RNG stream of the acceptance uniforms
+
+
+class SpecStats(NamedTuple):
+    verify_steps: jax.Array  # [B] int32 target verify forwards
+    drafted: jax.Array  # [B] int32 valid drafted nodes offered (a tree counts all its nodes)
+    accepted: jax.Array  # [B] int32 accepted draft tokens
+    pos_drafted: jax.Array  # [B, D] int32 steps that had a valid proposal at depth k + 1
+    pos_accepted: jax.Array  # [B, D] int32 steps whose depth k + 1 was accepted
+    plain_steps: jax.Array  # [B] int32 steps decoded without speculation (nothing proposed)
+
+
+class SpecState(NamedTuple):
+    dec: DecodeState
+    history: jax.Array  # [B, Hc] int32: prompt followed by the emitted tokens
+    prompt_lens: jax.Array  # [B] int32
+    dstate: Any  # drafter state
+    hidden: Any  # [B, H] target hidden at the last accepted node (drafters that need it), else None
+    stats: SpecStats
+
+
+def _write_history(history, prompt_lens, old_new, state: DecodeState):
+    """Copy the tokens `emit` just appended to out_tokens into the history buffer."""
+    B, Hc = history.shape
+    K = state.out_tokens.shape[1]
+    j = jnp.arange(K)[None, :]
+    fresh = (j >= old_new[:, None]) & (j < state.num_new[:, None])
+    dst = jnp.where(fresh, prompt_lens[:, None] + j, Hc)
+    return history.at[jnp.arange(B)[:, None], dst].set(state.out_tokens, mode="drop")
+
+
+def context(state: SpecState, sampling: SamplingArrays) -> DraftContext:
+    hist_len = state.prompt_lens + state.dec.num_new
+    return DraftContext(state.history, hist_len, state.dec.last_token, state.dec.cache.lengths, sampling,
+                        state.dec.step, state.hidden)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "buckets"))
+def spec_prefill(params, config: LlamaConfig, dparams, drafter, buckets: Buckets, prompts, prompt_lens, active,
+                 sampling: SamplingArrays) -> SpecState:
+    """Prefill the target (first token emitted) and the drafter. Jitted; nothing donated."""
+    dec = prefill(params, config, buckets, prompts, prompt_lens, active, sampling)
+    B, P = prompts.shape
+    Hc = buckets.prompt_len + buckets.max_new
+    history = jnp.zeros((B, Hc), jnp.int32).at[:, :P].set(prompts)
+    history = _write_history(history, prompt_lens, jnp.zeros_like(prompt_lens), dec)
+    dstate = drafter.init(dparams, params, prompts, prompt_lens, buckets.capacity)
+    hidden = None
+    if drafter.needs_hidden:
+        raise NotImplementedError("hidden-state drafters initialise through their own prefill")
+    D = drafter.tree.max_depth
+    zB = jnp.zeros((B,), jnp.int32)
+    stats = SpecStats(zB, zB, zB, jnp.zeros((B, D), jnp.int32), jnp.zeros((B, D), jnp.int32), zB)
+    return SpecState(dec, history, prompt_lens.astype(jnp.int32), dstate, hidden, stats)
+
+
+def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode: str, state: SpecState, proposal: Proposal,
+                  sampling: SamplingArrays, attention_fn=None) -> tuple[SpecState, acceptance.AcceptResult]:
+    """Verify a proposal with one target forward and accept; returns the advanced state. Pure, not jitted.
+
+    proposal.tokens [B, N] (root = last_token), parents/valid [B, N], q [B, N, V] or None.
+    """
+    dec = state.dec
+    cache = dec.cache
+    B, N = proposal.tokens.shape
+    D = tree.max_depth
+    # Built from the proposal's parents on device (a few tiny boolean matmuls), so static and dynamic trees
+    # share one path; `tree` only bounds the node count and the depth.
+    tree_mask = ancestor_mask_from_parents(proposal.parents, D)
+    depth = jnp.sum(tree_mask, axis=-1).astype(jnp.int32) - 1
+    # Padding nodes see only themselves and are seen by nobody, so they cannot disturb real nodes.
+    eye = jnp.eye(N, dtype=bool)[None]
+    tree_mask = (tree_mask & proposal.valid[:, None, :]) | eye
+    positions = cache.lengths[:, None] + depth
+    out = forward(params, config, proposal.tokens, positions, cache, tree_mask, attention_fn=attention_fn)
+    p = process_logits(out.logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, N, V]
+    u = uniforms(sampling.seed, dec.step, (N + 1,), stream=TARGET_STREAM)
+    result = acceptance.accept_tree(proposal.tokens, proposal.parents, proposal.valid, p, proposal.q,
+                                    u[:, :N], u[:, N], mode=mode)
+    running = dec.finish == FINISH_RUNNING
+    path = acceptance.accepted_path(result.accepted, depth, D)  # [B, D]
+    src = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), path], axis=1)
+    n_acc = result.num_accepted
+    keep = jnp.where(running, 1 + n_acc, 0)
+    cache = compact(out.cache, src, keep)
+    run_tokens = jnp.concatenate([jnp.take_along_axis(proposal.tokens, path, axis=1), result.next_token[:, None]], axis=1)
+    # emit needs the tokens in order with the correction/bonus right after the last accepted one.
+    j = jnp.arange(D + 1)[None, :]
+    run_tokens = jnp.where(j < n_acc[:, None], run_tokens,
+                           jnp.where(j == n_acc[:, None], result.next_token[:, None], 0))
+    old_new = dec.num_new
+    dec = dec._replace(cache=cache, step=dec.step + running.astype(jnp.int32))
+    dec = emit(dec, run_tokens, n_acc + 1, sampling)
+    history = _write_history(state.history, state.prompt_lens, old_new, dec)
+    st = state.stats
+    node_depth_valid = proposal.valid & (depth > 0)
+    # drafted per depth: did this step propose anything at depth k + 1
+    at_depth = (depth[:, :, None] == (jnp.arange(D) + 1)[None, None, :]) & node_depth_valid[:, :, None]
+    pos_drafted = jnp.any(at_depth, axis=1)
+    pos_acc = (jnp.arange(D)[None, :] < n_acc[:, None])
+    r = running.astype(jnp.int32)
+    stats = SpecStats(
+        verify_steps=st.verify_steps + r,
+        drafted=st.drafted + r * jnp.sum(node_depth_valid, axis=1).astype(jnp.int32),
+        accepted=st.accepted + r * n_acc,
+        pos_drafted=st.pos_drafted + r[:, None] * pos_drafted.astype(jnp.int32),
+        pos_accepted=st.pos_accepted + r[:, None] * pos_acc.astype(jnp.int32),
+        plain_steps=st.plain_steps,
+    )
+    hidden = None
+    if state.hidden is not None:
+        last = jnp.take_along_axis(out.hidden, result.last_node[:, None, None], axis=1)[:, 0]
+        hidden = last
+    return state._replace(dec=dec, history=history, stats=stats, hidden=hidden), result
+
+
+def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
+              attention_fn=None, allow_cond: bool = True) -> SpecState:
+    """One speculative step for every sequence. Pure, not jitted.
+
+    allow_cond: when nothing in the batch was proposed (an n-gram miss everywhere) decode one plain token
+    instead of verifying padding; off under compile policies without `lax.cond` (Neuron).
+    """
+    ctx = context(state, sampling)
+    proposal, dstate = drafter.propose(dparams, state.dstate, ctx)
+    state = state._replace(dstate=dstate)
+
+    def speculative(state):
+        new, result = verify_accept(params, config, drafter.tree, drafter.mode, state, proposal, sampling,
+                                    attention_fn)
+        return new._replace(dstate=drafter.update(dparams, new.dstate, ctx, result))
+
+    if not allow_cond or drafter.mode != "deterministic" or state.hidden is not None:
+        return speculative(state)
+
+    def plain(state):
+        old_new = state.dec.num_new
+        dec = decode_step(params, config, state.dec, sampling, attention_fn)
+        running = (state.dec.finish == FINISH_RUNNING).astype(jnp.int32)
+        stats = state.stats._replace(plain_steps=state.stats.plain_steps + running)
+        return state._replace(dec=dec, history=_write_history(state.history, state.prompt_lens, old_new, dec),
+                              stats=stats)
+
+    anything = jnp.any(proposal.valid[:, 1:] & (state.dec.finish == FINISH_RUNNING)[:, None])
+    return jax.lax.cond(anything, speculative, plain, state)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn", "allow_cond"),
+                   donate_argnames=("state",))
+def spec_loop(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
+              max_steps: jax.Array, attention_fn=None, allow_cond: bool = True) -> SpecState:
+    """Speculate until every sequence finished or `max_steps` (traced) steps ran: one `lax.while_loop`.
+
+    Jitted; `state` is donated (target and draft KV caches are updated in place).
+    """
+    def cond(carry):
+        st, i = carry
+        return jnp.any(st.dec.finish == FINISH_RUNNING) & (i < max_steps)
+
+    def body(carry):
+        st, i = carry
+        return spec_step(params, config, dparams, drafter, st, sampling, attention_fn, allow_cond), i + 1
+
+    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+    return state
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tree", "mode", "attention_fn"), donate_argnames=("state",))
+def verify_accept_jit(params, config: LlamaConfig, tree: TreeSpec, mode: str, state: SpecState, proposal: Proposal,
+                      sampling: SamplingArrays, attention_fn=None) -> SpecState:
+    """`verify_accept` as a jitted entry point for host-side drafters (suffix decoding) and profiling.
+    Jitted; `state` is donated."""
+    return verify_accept(params, config, tree, mode, state, proposal, sampling, attention_fn)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("drafter",))
+def propose_jit(dparams, drafter, state: SpecState, sampling: SamplingArrays):
+    """The drafter's propose step alone (to time drafting apart from verification). Jitted."""
+    return drafter.propose(dparams, state.dstate, context(state, sampling))

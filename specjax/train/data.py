@@ -1,0 +1,247 @@
+"""Self-distillation data: the target answers the project's own prompts, and we keep what it said and thought.
+
+For every prompt the target generates a response with its chat template (greedy, or sampled at a temperature
+for a deterministic share of the training prompts). At every response step we also keep the target's top-k
+log-probabilities (temperature 1, over the full vocabulary): the decode step computes those logits anyway, so
+soft distillation targets cost nothing extra. Step i's top-k is the distribution that produced response token i.
+
+Everything is saved to one `.npz` of plain arrays (no pickles; `np.load(..., allow_pickle=False)` reads it):
+    tokens       [N, L] int32    prompt followed by response, zero-padded
+    prompt_len   [N] int32       tokens of the chat-formatted prompt
+    length       [N] int32       prompt_len + number of response tokens (the stop token included)
+    topk_ids     [N, R, K] int32 target top-k token ids at response step i (R = max_new_tokens)
+    topk_logp    [N, R, K] float16 their log-probabilities (log-softmax over the full vocabulary)
+    temperature  [N] float32     0 = greedy
+    prompt_index [N] int32       index in `specjax.train.prompts.build_prompts()`
+    heldout      [N] bool        evaluation split (never trained on)
+    meta         0-d str         JSON: target, max_new_tokens, top_k, seed, generation seconds, ...
+
+Run: `python -m specjax.train.data --out /path/to/data.npz` (see --help).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.kv_cache import init_cache
+from specjax.models.llama import LlamaConfig, forward
+from specjax.train.prompts import Prompt, build_prompts, is_heldout
+
+FIELDS = ("tokens", "prompt_len", "length", "topk_ids", "topk_logp", "temperature", "prompt_index", "heldout")
+
+
+class DataError(ValueError):
+    """A distillation data file is missing, malformed or inconsistent; the message says how to fix it."""
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_new", "top_k", "stop_ids"))
+def generate_batch(params: dict, config: LlamaConfig, prompts: jax.Array, prompt_len: jax.Array,
+                   temperature: jax.Array, keys: jax.Array, *, max_new: int, top_k: int,
+                   stop_ids: tuple[int, ...]):
+    """Generate up to `max_new` tokens for a batch of right-padded prompts and record the target's top-k.
+
+    prompts [B, P] int32, prompt_len [B] int32 (>= 1), temperature [B] float32 (0 = greedy),
+    keys [B, 2] uint32 (one PRNG key per row, so a row's sample does not depend on its batch).
+    Returns tokens [B, max_new] int32 (-1 after the row stopped), topk_ids [B, max_new, top_k] int32,
+    topk_logp [B, max_new, top_k] float32 and num_new [B] int32 (the stop token counted).
+    The loop exits early once every row has emitted a stop token.
+    """
+    B, P = prompts.shape
+    cache = init_cache(config.num_layers, B, P + max_new, config.num_kv_heads, config.head_dim,
+                       params["embed"].dtype)
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    out = forward(params, config, prompts, positions, cache, logit_positions=(prompt_len - 1)[:, None])
+    # Padding slots past each prompt were written too, but slots >= lengths are invisible and get overwritten.
+    cache = out.cache._replace(lengths=prompt_len.astype(jnp.int32))
+    stops = jnp.asarray(stop_ids, jnp.int32)
+
+    def cond(carry):
+        i, _, _, done, *_ = carry
+        return (i < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        i, cache, logits, done, toks, tk_ids, tk_lp = carry
+        logp = jax.nn.log_softmax(logits, axis=-1)  # [B, V] the target's own distribution (T = 1)
+        lp, ix = jax.lax.top_k(logp, top_k)
+        step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, i)
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        sampled = jax.vmap(jax.random.categorical)(step_keys, scaled)
+        tok = jnp.where(temperature > 0, sampled, ix[:, 0]).astype(jnp.int32)
+        tok = jnp.where(done, -1, tok)
+        toks = toks.at[:, i].set(tok)
+        tk_ids = tk_ids.at[:, i].set(ix.astype(jnp.int32))
+        tk_lp = tk_lp.at[:, i].set(lp)
+        done = done | jnp.any(tok[:, None] == stops[None, :], axis=-1)
+        step = forward(params, config, jnp.maximum(tok, 0)[:, None], cache.lengths[:, None], cache)
+        cache = step.cache._replace(lengths=cache.lengths + 1)
+        return i + 1, cache, step.logits[:, 0], done, toks, tk_ids, tk_lp
+
+    init = (jnp.int32(0), cache, out.logits[:, 0], jnp.zeros((B,), bool),
+            jnp.full((B, max_new), -1, jnp.int32), jnp.zeros((B, max_new, top_k), jnp.int32),
+            jnp.zeros((B, max_new, top_k), jnp.float32))
+    _, _, _, _, toks, tk_ids, tk_lp = jax.lax.while_loop(cond, body, init)
+    emitted = toks >= 0
+    return toks, tk_ids, tk_lp, jnp.sum(emitted, axis=1).astype(jnp.int32)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """The token ids the target sees for a one-turn chat (same as `LLM.generate(..., chat=True)`)."""
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def plan_requests(prompts: list[Prompt], sample_every: int, temperature: float) -> list[tuple[Prompt, float]]:
+    """Which prompts are answered greedily and which are sampled: held-out prompts always greedily (the
+    greedy-acceptance evaluation needs the target's greedy continuation); every `sample_every`-th training
+    prompt is sampled at `temperature` (0 = never)."""
+    plan = []
+    for p in prompts:
+        sampled = sample_every > 0 and not is_heldout(p.index) and p.index % sample_every == 1
+        plan.append((p, temperature if sampled else 0.0))
+    return plan
+
+
+def generate_dataset(params: dict, config: LlamaConfig, tokenizer, prompts: list[Prompt], *, max_new: int = 160,
+                     batch: int = 16, top_k: int = 16, sample_every: int = 4, temperature: float = 0.7,
+                     seed: int = 0, progress: bool = True) -> dict[str, np.ndarray]:
+    """Run the target on every prompt and return the arrays described in the module docstring (meta excluded)."""
+    if batch < 1 or max_new < 1 or top_k < 1:
+        raise DataError(f"batch ({batch}), max_new ({max_new}) and top_k ({top_k}) must all be >= 1")
+    plan = plan_requests(prompts, sample_every, temperature)
+    ids = [chat_ids(tokenizer, p.text) for p, _ in plan]
+    P = -(-max(map(len, ids)) // 32) * 32  # one padded prompt length for all batches: a single compile
+    # Batches of similar prompt length waste less prefill; the order is deterministic.
+    order = sorted(range(len(plan)), key=lambda j: (len(ids[j]), j))
+    stop_ids = tuple(sorted(set(tokenizer.stop_token_ids)))
+    base = jax.random.key(seed)
+    n = len(plan)
+    tokens = np.zeros((n, P + max_new), np.int32)
+    prompt_len = np.zeros(n, np.int32)
+    length = np.zeros(n, np.int32)
+    topk_ids = np.zeros((n, max_new, top_k), np.int32)
+    topk_logp = np.zeros((n, max_new, top_k), np.float16)
+    batches = [order[s:s + batch] for s in range(0, n, batch)]
+    bar = _tqdm(batches, progress, desc="generate", unit="batch")
+    made = 0
+    t0 = time.perf_counter()
+    for rows in bar:
+        pad = batch - len(rows)
+        rows_p = rows + [rows[-1]] * pad  # pad the last batch by repeating a row (same shape, result dropped)
+        pt = np.zeros((batch, P), np.int32)
+        for r, j in enumerate(rows_p):
+            pt[r, :len(ids[j])] = ids[j]
+        plen = np.asarray([len(ids[j]) for j in rows_p], np.int32)
+        temps = np.asarray([plan[j][1] for j in rows_p], np.float32)
+        keys = jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(base, i))(
+            jnp.asarray([plan[j][0].index for j in rows_p])))
+        toks, tk_ids, tk_lp, num = jax.device_get(generate_batch(
+            params, config, jnp.asarray(pt), jnp.asarray(plen), jnp.asarray(temps), keys,
+            max_new=max_new, top_k=top_k, stop_ids=stop_ids))
+        for r, j in enumerate(rows):
+            k = int(num[r])
+            tokens[j, :plen[r]] = pt[r, :plen[r]]
+            tokens[j, plen[r]:plen[r] + k] = toks[r, :k]
+            prompt_len[j] = plen[r]
+            length[j] = plen[r] + k
+            topk_ids[j] = tk_ids[r]
+            topk_logp[j] = tk_lp[r].astype(np.float16)
+            made += k
+        if progress:
+            bar.set_postfix(tok=made, tok_s=f"{made / (time.perf_counter() - t0):.1f}")
+    L = -(-int(length.max()) // 32) * 32
+    return {
+        "tokens": tokens[:, :L],
+        "prompt_len": prompt_len,
+        "length": length,
+        "topk_ids": topk_ids,
+        "topk_logp": topk_logp,
+        "temperature": np.asarray([t for _, t in plan], np.float32),
+        "prompt_index": np.asarray([p.index for p, _ in plan], np.int32),
+        "heldout": np.asarray([is_heldout(p.index) for p, _ in plan], bool),
+    }
+
+
+def save_dataset(path: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    missing = [f for f in FIELDS if f not in arrays]
+    if missing:
+        raise DataError(f"cannot save distillation data: arrays {missing} are missing")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    np.savez(path, **{f: arrays[f] for f in FIELDS}, meta=np.asarray(json.dumps(meta, sort_keys=True)))
+
+
+def load_dataset(path: str) -> tuple[dict[str, np.ndarray], dict]:
+    """Read and check a file written by `save_dataset`. Returns (arrays, meta)."""
+    if not os.path.isfile(path):
+        raise DataError(f"distillation data {path!r} does not exist; make it with `python -m specjax.train.data --out {path}`")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except (ValueError, OSError) as e:
+        raise DataError(f"{path}: not a readable .npz without pickles ({e}); regenerate it") from None
+    missing = [k for k in FIELDS + ("meta",) if k not in arrays]
+    if missing:
+        raise DataError(f"{path}: arrays {missing} are missing; regenerate it with `python -m specjax.train.data`")
+    meta = json.loads(str(arrays.pop("meta")))
+    n, L = arrays["tokens"].shape
+    R = arrays["topk_ids"].shape[1]
+    if arrays["topk_logp"].shape != arrays["topk_ids"].shape or arrays["topk_ids"].shape[0] != n:
+        raise DataError(f"{path}: topk_ids {arrays['topk_ids'].shape} and topk_logp {arrays['topk_logp'].shape} "
+                        f"must both be [N={n}, R, K]")
+    if np.any(arrays["length"] > L) or np.any(arrays["length"] - arrays["prompt_len"] > R) \
+            or np.any(arrays["prompt_len"] < 1):
+        raise DataError(f"{path}: lengths are inconsistent with tokens [N, {L}] and {R} response steps; regenerate it")
+    return arrays, meta
+
+
+def _tqdm(it, enabled: bool, **kw):
+    if not enabled:
+        return it
+    from tqdm import tqdm
+
+    return tqdm(it, **kw)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m specjax.train.data",
+                                 description="Generate self-distillation data from the target model.")
+    ap.add_argument("--out", required=True, help="output .npz path")
+    ap.add_argument("--target", default="smollm2-135m", help="target model spec (alias, HF dir or .gguf)")
+    ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=16, help="target log-probs kept per step for soft distillation")
+    ap.add_argument("--sample-every", type=int, default=4,
+                    help="every N-th training prompt is sampled instead of greedy (0 = all greedy)")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from specjax.models.loading import load_model
+
+    loaded = load_model(args.target, "float32")
+    prompts = build_prompts()
+    if args.limit:
+        prompts = prompts[:args.limit]
+    t0 = time.perf_counter()
+    arrays = generate_dataset(loaded.params, loaded.config, loaded.tokenizer, prompts,
+                              max_new=args.max_new_tokens, batch=args.batch, top_k=args.top_k,
+                              sample_every=args.sample_every, temperature=args.temperature, seed=args.seed)
+    seconds = time.perf_counter() - t0
+    new_tokens = int(np.sum(arrays["length"] - arrays["prompt_len"]))
+    meta = {"target": args.target, "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
+            "sample_every": args.sample_every, "temperature": args.temperature, "seed": args.seed,
+            "num_sequences": len(prompts), "response_tokens": new_tokens,
+            "generation_seconds": round(seconds, 1), "stop_token_ids": list(loaded.tokenizer.stop_token_ids)}
+    save_dataset(args.out, arrays, meta)
+    print(json.dumps(meta))
+    return meta
+
+
+if __name__ == "__main__":
+    main()
