@@ -1,0 +1,191 @@
+"""The `specjax` command line. Every subcommand reads the one config system: the packaged default.yaml, then
+`--config` (a packaged name such as `methods/ngram` or a YAML path), then `--set key=value` overrides, then the
+shortcut flags (which are overrides too).
+
+    specjax generate --config methods/draft_model --compare "Explain speculative decoding."
+    specjax chat --config methods/ngram
+    specjax configs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from specjax.config import ConfigError, RunConfig, available_configs, load_run_config, to_yaml
+
+DEMO_PROMPT = ("Summarize the following text in two sentences: Speculative decoding speeds up language models. "
+               "A small draft model proposes several tokens, and the large target model checks all of them in one "
+               "forward pass. Tokens that the target agrees with are kept, so the output is exactly what the target "
+               "would have produced alone, but fewer slow target passes are needed.")
+
+
+def _shortcut_overrides(args) -> list[str]:
+    out = list(args.set or [])
+    for flag, key in (("model", "model.model"), ("dtype", "model.dtype"), ("max_new_tokens", "sampling.max_new_tokens"),
+                      ("temperature", "sampling.temperature"), ("top_p", "sampling.top_p"), ("top_k", "sampling.top_k"),
+                      ("seed", "sampling.seed"), ("method", "speculative.method"),
+                      ("num_speculative_tokens", "speculative.num_speculative_tokens"),
+                      ("draft", "speculative.model"), ("backend", "backend.backend"),
+                      ("attention_impl", "backend.attention_impl")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            out.append(f"{key}={value}")
+    return out
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="packaged config name (see `specjax configs`) or a YAML file")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key, e.g. sampling.top_p=0.9")
+    p.add_argument("--model", help="model spec: 'smollm2-135m', an HF directory or a .gguf file")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"])
+    p.add_argument("-n", "--max-new-tokens", dest="max_new_tokens", type=int)
+    p.add_argument("-t", "--temperature", type=float)
+    p.add_argument("--top-p", dest="top_p", type=float)
+    p.add_argument("--top-k", dest="top_k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--method", help="speculative method: ngram, draft_model, suffix (or 'null' for plain)")
+    p.add_argument("-k", "--num-speculative-tokens", dest="num_speculative_tokens", type=int)
+    p.add_argument("--draft", help="draft model / head path for the speculative method")
+    p.add_argument("--backend", choices=["auto", "cpu", "gpu", "tpu", "neuron"])
+    p.add_argument("--attention-impl", dest="attention_impl")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specjax", description="Lossless speculative decoding in JAX.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for prompts (speculative if a method is configured)")
+    _common(g)
+    g.add_argument("prompts", nargs="*", help="prompts (default: the config's prompts, else a demo prompt)")
+    g.add_argument("--raw", action="store_true", help="do not wrap prompts in the model's chat template")
+    g.add_argument("--compare", action="store_true",
+                   help="also run plain decoding on the same prompts and print the measured speedup")
+    g.add_argument("--json", action="store_true", help="print results as JSON lines")
+    c = sub.add_parser("chat", help="interactive chat, streaming tokens")
+    _common(c)
+    s = sub.add_parser("configs", help="list the packaged configs, or print one resolved config")
+    s.add_argument("name", nargs="?")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE")
+    return ap
+
+
+def _llm(cfg: RunConfig):
+    from specjax.api import LLM
+
+    return LLM(cfg.model.model, cfg.model.dtype, backend=cfg.backend.backend,
+               attention_impl=cfg.backend.attention_impl, max_context=cfg.model.max_context)
+
+
+def _spec(cfg: RunConfig):
+    return cfg.speculative if cfg.speculative.enabled else None
+
+
+def _timed(llm, prompts, cfg, spec, chat):
+    """Run twice: the first call compiles, the second is the one measured."""
+    llm.generate(prompts, cfg.sampling, spec, chat=chat)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, cfg.sampling, spec, chat=chat)
+    return outs, time.perf_counter() - t
+
+
+def cmd_generate(args) -> int:
+    cfg = load_run_config(args.config, _shortcut_overrides(args))
+    prompts = list(args.prompts) or list(cfg.prompts) or [DEMO_PROMPT]
+    chat = not args.raw
+    llm = _llm(cfg)
+    spec = _spec(cfg)
+    print(f"model {cfg.model.model} ({llm.source.kind}: {llm.source.path}), dtype {cfg.model.dtype}, "
+          f"method {cfg.speculative.method or 'plain'}"
+          + (f", gamma {cfg.speculative.num_speculative_tokens}" if spec else ""), file=sys.stderr)
+    if args.compare:
+        outs, t_spec = _timed(llm, prompts, cfg, spec, chat)
+    else:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, cfg.sampling, spec, chat=chat)
+        t_spec = time.perf_counter() - t0
+    for i, o in enumerate(outs):
+        m = o.metrics
+        if args.json:
+            print(json.dumps({"prompt": prompts[i], "text": o.text, "token_ids": o.token_ids,
+                              "finish_reason": o.finish_reason, "metrics": vars(m)}))
+            continue
+        print(f"\n=== prompt {i}: {prompts[i][:80]!r}")
+        print(o.text)
+        line = (f"--- {m.new_tokens} tokens, {m.tokens_per_s:.1f} tok/s, TTFT {m.time_to_first_token * 1000:.0f} ms, "
+                f"finish {o.finish_reason}")
+        if m.acceptance_rate is not None:
+            pos = ", ".join(f"{a:.2f}" for a in m.per_position_acceptance)
+            line += (f"\n--- acceptance rate {m.acceptance_rate:.3f}, mean accepted length tau {m.mean_accepted_length:.2f}"
+                     f", per position [{pos}], {m.target_forwards} target forwards"
+                     + (" (LOSSY acceptance)" if m.lossy else ""))
+        print(line)
+    if args.compare and spec is not None:
+        plain, t_plain = _timed(llm, prompts, cfg, None, chat)
+        same = all(a.token_ids == b.token_ids for a, b in zip(outs, plain))
+        n_spec = sum(o.metrics.new_tokens for o in outs)
+        n_plain = sum(o.metrics.new_tokens for o in plain)
+        print(f"\nspeedup over plain decoding: {(n_spec / t_spec) / (n_plain / t_plain):.2f}x "
+              f"({n_spec / t_spec:.1f} vs {n_plain / t_plain:.1f} tok/s, compile excluded); "
+              f"output identical to plain: {same}"
+              + ("" if cfg.sampling.temperature == 0 else " (sampling: equal only in distribution)"))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    cfg = load_run_config(args.config, _shortcut_overrides(args))
+    llm = _llm(cfg)
+    messages: list[dict] = []
+    print("specjax chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        if _spec(cfg) is None:
+            outs = llm.generate([messages], cfg.sampling, None,
+                                stream=lambda i, text: print(text, end="", flush=True))
+            print()
+        else:
+            outs = llm.generate([messages], cfg.sampling, _spec(cfg))
+            print(outs[0].text)
+            m = outs[0].metrics
+            print(f"[acceptance {m.acceptance_rate:.2f}, tau {m.mean_accepted_length:.2f}, "
+                  f"{m.tokens_per_s:.1f} tok/s]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": outs[0].text})
+    return 0
+
+
+def cmd_configs(args) -> int:
+    if args.name is None:
+        print("\n".join(available_configs()))
+        return 0
+    print(to_yaml(load_run_config(args.name, args.set or [])), end="")
+    return 0
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """specjax's own error types: each carries a one-line message meant for the user (no traceback)."""
+    from specjax.api import RequestError
+    from specjax.models.loading import ModelLoadError
+    from specjax.models.tokenizer import TokenizerError
+    from specjax.spec_api import SpeculativeConfigError
+    from specjax.tree import TreeError
+
+    return (ConfigError, ModelLoadError, RequestError, TokenizerError, SpeculativeConfigError, TreeError)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "chat": cmd_chat, "configs": cmd_configs}[args.command](args)
+    except user_errors() as e:
+        print(f"specjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
