@@ -40,7 +40,9 @@ class RequestMetrics:
     mean_accepted_length: float | None = None  # tau = (accepted + verify steps) / verify steps
     verify_steps: int | None = None
     target_forwards: int | None = None  # prefill + verify steps + plain steps
-    per_position_acceptance: list[float] | None = None
+    per_position_acceptance: list[float] | None = None  # accepted / drafted at depth 1, 2, ...
+    per_position_accepted: list[int] | None = None
+    per_position_drafted: list[int] | None = None
     draft_time: float | None = None
     verify_time: float | None = None
     lossy: bool = False

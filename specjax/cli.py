@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print results as JSON lines")
     c = sub.add_parser("chat", help="interactive chat, streaming tokens")
     _common(c)
+    b = sub.add_parser("bench", help="benchmark methods against plain decoding on a prompt file (e.g. Spec-Bench)")
+    from specjax.bench_cli import add_arguments
+
+    add_arguments(b)
     s = sub.add_parser("configs", help="list the packaged configs, or print one resolved config")
     s.add_argument("name", nargs="?")
     s.add_argument("--set", action="append", metavar="KEY=VALUE")
@@ -159,6 +163,12 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from specjax.bench_cli import run
+
+    return run(args)
+
+
 def cmd_configs(args) -> int:
     if args.name is None:
         print("\n".join(available_configs()))
@@ -173,15 +183,16 @@ def user_errors() -> tuple[type[Exception], ...]:
     from specjax.models.loading import ModelLoadError
     from specjax.models.tokenizer import TokenizerError
     from specjax.spec_api import SpeculativeConfigError
+    from specjax.bench import DatasetError
     from specjax.tree import TreeError
 
-    return (ConfigError, ModelLoadError, RequestError, TokenizerError, SpeculativeConfigError, TreeError)
+    return (DatasetError, ConfigError, ModelLoadError, RequestError, TokenizerError, SpeculativeConfigError, TreeError)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "configs": cmd_configs}[args.command](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "configs": cmd_configs}[args.command](args)
     except user_errors() as e:
         print(f"specjax: error: {e}", file=sys.stderr)
         return 2

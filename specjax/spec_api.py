@@ -72,6 +72,17 @@ def _draft_model(llm, spec: SpeculativeConfig):
     return DraftModelDrafter(config, spec.num_speculative_tokens, llm.config.vocab_size), dparams
 
 
+def adaptive_rule(drafter, spec: SpeculativeConfig):
+    """The back-off rule for a drafter: below `min_gain` accepted tokens per verify step, speculation costs more
+    than it yields on this hardware. A draft model pays for its own forwards, so it needs more acceptance than a
+    free lookup. None when the config turns adaptation off."""
+    if not spec.adaptive:
+        return None
+    if isinstance(drafter, DraftModelDrafter):
+        return spec_engine.Adaptive(min_gain=0.6)
+    return spec_engine.Adaptive(min_gain=0.3)
+
+
 def resolve_draft_path(model: str | None) -> str:
     """A draft path as given, or relative to the installed package (the shipped `assets/...` drafts)."""
     if model is None:
@@ -113,7 +124,7 @@ def generate(llm, prompts, ids, params, spec: SpeculativeConfig, *, profile: boo
         state, draft_time, verify_time = host_loop(llm, drafter, dparams, state, sampling, n, host)
     else:
         state = spec_engine.spec_loop(llm.params, llm.config, dparams, drafter, state, sampling, jnp.int32(2 ** 30),
-                                      attention_fn=llm._attention_fn)
+                                      attention_fn=llm._attention_fn, adaptive=adaptive_rule(drafter, spec))
     jax.block_until_ready(state.dec.num_new)
     total = time.perf_counter() - t0
     if host is not None:
@@ -166,5 +177,6 @@ def spec_metrics(stats, i: int, draft_time, verify_time, lossy: bool) -> dict:
         mean_accepted_length=(accepted + steps + plain) / (steps + plain) if steps + plain else 1.0,
         verify_steps=steps, target_forwards=steps + plain + 1,
         per_position_acceptance=[float(a / d) if d else 0.0 for a, d in zip(pa, pd)],
+        per_position_accepted=[int(a) for a in pa], per_position_drafted=[int(d) for d in pd],
         draft_time=draft_time, verify_time=verify_time, lossy=lossy,
     )

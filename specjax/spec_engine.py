@@ -14,6 +14,7 @@ and profiling call `verify_accept` per step from the host with the proposal comp
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -40,6 +41,21 @@ class SpecStats(NamedTuple):
     plain_steps: jax.Array  # [B] int32 steps decoded without speculation (nothing proposed)
 
 
+@dataclasses.dataclass(frozen=True)
+class Adaptive:
+    """Per-sequence back-off, so that speculation is never much slower than plain decoding.
+
+    Each sequence keeps a running mean of accepted tokens per verify step (`gain`). Below `min_gain` it stops
+    speculating (its proposals are masked out, which is lossless: a root-only tree is a plain step) and decodes
+    plainly; after `probe_every` plain steps it tries again. When no sequence of the batch speculates, the step
+    is a plain one-token decode (where the compile policy allows `lax.cond`).
+    """
+
+    min_gain: float = 0.3
+    probe_every: int = 16
+    decay: float = 0.7
+
+
 class SpecState(NamedTuple):
     dec: DecodeState
     history: jax.Array  # [B, Hc] int32: prompt followed by the emitted tokens
@@ -47,6 +63,8 @@ class SpecState(NamedTuple):
     dstate: Any  # drafter state
     hidden: Any  # [B, H] target hidden at the last accepted node (drafters that need it), else None
     stats: SpecStats
+    gain: jax.Array  # [B] float32 running mean of accepted tokens per verify step (see Adaptive)
+    idle: jax.Array  # [B] int32 steps since this sequence last speculated
 
 
 def _write_history(history, prompt_lens, old_new, state: DecodeState):
@@ -81,7 +99,8 @@ def spec_prefill(params, config: LlamaConfig, dparams, drafter, buckets: Buckets
     D = drafter.tree.max_depth
     zB = jnp.zeros((B,), jnp.int32)
     stats = SpecStats(zB, zB, zB, jnp.zeros((B, D), jnp.int32), jnp.zeros((B, D), jnp.int32), zB)
-    return SpecState(dec, history, prompt_lens.astype(jnp.int32), dstate, hidden, stats)
+    return SpecState(dec, history, prompt_lens.astype(jnp.int32), dstate, hidden, stats,
+                     jnp.ones((B,), jnp.float32), zB)
 
 
 def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode: str, state: SpecState, proposal: Proposal,
@@ -145,40 +164,62 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode: str, state:
 
 
 def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
-              attention_fn=None, allow_cond: bool = True) -> SpecState:
+              attention_fn=None, allow_cond: bool = True, adaptive: Adaptive | None = None) -> SpecState:
     """One speculative step for every sequence. Pure, not jitted.
 
-    allow_cond: when nothing in the batch was proposed (an n-gram miss everywhere) decode one plain token
-    instead of verifying padding; off under compile policies without `lax.cond` (Neuron).
+    allow_cond: decode one plain token instead of verifying when no sequence of the batch has anything to
+    verify (an n-gram miss everywhere, or every sequence backed off); off under compile policies without
+    `lax.cond` (Neuron), where masked proposals are verified instead (same tokens, more compute).
+    adaptive: the per-sequence back-off rule, None = always speculate.
     """
-    ctx = context(state, sampling)
-    proposal, dstate = drafter.propose(dparams, state.dstate, ctx)
-    state = state._replace(dstate=dstate)
-
-    def speculative(state):
-        new, result = verify_accept(params, config, drafter.tree, drafter.mode, state, proposal, sampling,
-                                    attention_fn)
-        return new._replace(dstate=drafter.update(dparams, new.dstate, ctx, result))
-
-    if not allow_cond or drafter.mode != "deterministic" or state.hidden is not None:
-        return speculative(state)
+    running = state.dec.finish == FINISH_RUNNING
+    if adaptive is None:
+        want = jnp.ones_like(running)
+    else:
+        want = (state.gain >= adaptive.min_gain) | (state.idle >= adaptive.probe_every)
 
     def plain(state):
         old_new = state.dec.num_new
+        state = state._replace(dstate=drafter.observe_plain(dparams, state.dstate, context(state, sampling)))
         dec = decode_step(params, config, state.dec, sampling, attention_fn)
-        running = (state.dec.finish == FINISH_RUNNING).astype(jnp.int32)
-        stats = state.stats._replace(plain_steps=state.stats.plain_steps + running)
+        r = (state.dec.finish == FINISH_RUNNING).astype(jnp.int32)
+        stats = state.stats._replace(plain_steps=state.stats.plain_steps + r)
         return state._replace(dec=dec, history=_write_history(state.history, state.prompt_lens, old_new, dec),
-                              stats=stats)
+                              stats=stats, idle=state.idle + 1)
 
-    anything = jnp.any(proposal.valid[:, 1:] & (state.dec.finish == FINISH_RUNNING)[:, None])
-    return jax.lax.cond(anything, speculative, plain, state)
+    def speculative(state):
+        ctx = context(state, sampling)
+        proposal, dstate = drafter.propose(dparams, state.dstate, ctx)
+        node = jnp.arange(proposal.valid.shape[1])[None, :]
+        proposal = proposal._replace(valid=proposal.valid & (want[:, None] | (node == 0)))
+        state = state._replace(dstate=dstate)
+        had = jnp.any(proposal.valid[:, 1:], axis=1) & running
+
+        def verify(state):
+            before = state.stats.accepted
+            new, result = verify_accept(params, config, drafter.tree, drafter.mode, state, proposal, sampling,
+                                        attention_fn)
+            new = new._replace(dstate=drafter.update(dparams, new.dstate, ctx, result))
+            if adaptive is None:
+                return new
+            got = (new.stats.accepted - before).astype(jnp.float32)
+            gain = jnp.where(had, adaptive.decay * state.gain + (1 - adaptive.decay) * got, state.gain)
+            return new._replace(gain=gain, idle=jnp.where(had, 0, state.idle + 1))
+
+        if not allow_cond or state.hidden is not None:
+            return verify(state)
+        return jax.lax.cond(jnp.any(had), verify, plain, state)
+
+    if not allow_cond or adaptive is None:
+        return speculative(state)
+    return jax.lax.cond(jnp.any(want & running), speculative, plain, state)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn", "allow_cond"),
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn", "allow_cond", "adaptive"),
                    donate_argnames=("state",))
 def spec_loop(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
-              max_steps: jax.Array, attention_fn=None, allow_cond: bool = True) -> SpecState:
+              max_steps: jax.Array, attention_fn=None, allow_cond: bool = True,
+              adaptive: Adaptive | None = None) -> SpecState:
     """Speculate until every sequence finished or `max_steps` (traced) steps ran: one `lax.while_loop`.
 
     Jitted; `state` is donated (target and draft KV caches are updated in place).
@@ -189,7 +230,7 @@ def spec_loop(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
 
     def body(carry):
         st, i = carry
-        return spec_step(params, config, dparams, drafter, st, sampling, attention_fn, allow_cond), i + 1
+        return spec_step(params, config, dparams, drafter, st, sampling, attention_fn, allow_cond, adaptive), i + 1
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state

@@ -6,6 +6,8 @@ weights travel separately as `dparams` and its evolving state as `dstate`, both 
     init(dparams, target_params, prompts [B, P], prompt_lens [B], capacity) -> dstate
     propose(dparams, dstate, ctx: DraftContext) -> (Proposal, dstate)
     update(dparams, dstate, ctx: DraftContext, result: AcceptResult) -> dstate
+    observe_plain(dparams, dstate, ctx: DraftContext) -> dstate   # the engine decodes ctx.last_token plainly
+                                                                   # this step (back-off); keep caches in step
 
 `tree` fixes the node budget N and the maximum depth of every proposal; `mode` names how the proposal was
 drawn, which decides the acceptance rule ("deterministic" for lookups and top-k trees, "iid" / "wor" for
@@ -48,3 +50,5 @@ class Drafter(Protocol):
     def propose(self, dparams, dstate, ctx: DraftContext): ...
 
     def update(self, dparams, dstate, ctx: DraftContext, result): ...
+
+    def observe_plain(self, dparams, dstate, ctx: DraftContext): ...

@@ -47,6 +47,14 @@ class DraftModelDrafter:
     def update(self, dparams, dstate, ctx, result):
         return dstate
 
+    def observe_plain(self, dparams, dstate, ctx: DraftContext):
+        """The target decodes ctx.last_token at position L without speculating: run it through the draft too,
+        so the draft cache keeps every committed entry below L (its invariant)."""
+        L = ctx.lengths
+        out = forward(dparams["params"], self.config, ctx.last_token[:, None], L[:, None], dstate._replace(lengths=L),
+                      compute_logits=False)
+        return out.cache
+
     def _q(self, dparams, logits, sampling):
         """Draft logits [B, Vd] -> (q over the target vocabulary [B, V], sampling probs over the draft vocab)."""
         probs = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)

@@ -37,6 +37,9 @@ class NgramDrafter:
     def update(self, dparams, dstate, ctx, result):
         return dstate
 
+    def observe_plain(self, dparams, dstate, ctx):
+        return dstate
+
     def propose(self, dparams, dstate, ctx: DraftContext):
         hist, hlen = ctx.history, ctx.hist_len
         B, Hc = hist.shape

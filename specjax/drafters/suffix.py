@@ -44,6 +44,9 @@ class SuffixDrafter:
     def update(self, dparams, dstate, ctx, result):
         return dstate
 
+    def observe_plain(self, dparams, dstate, ctx):
+        return dstate
+
 
 class SuffixHostState:
     """Host indexes for one generate call; `global_index` outlives it (the LLM keeps one)."""
