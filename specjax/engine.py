@@ -86,18 +86,20 @@ def emit(state: DecodeState, tokens: jax.Array, count: jax.Array, sampling: Samp
     return state._replace(out_tokens=out, num_new=num_new, finish=finish, last_token=last_token)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "buckets"))
-def prefill(params: dict, config: LlamaConfig, buckets: Buckets, prompts: jax.Array, prompt_lens: jax.Array,
-            active: jax.Array, sampling: SamplingArrays) -> DecodeState:
-    """Prefill right-padded prompts [B, P] (lengths [B]) and emit each sequence's first token.
+def prefill_core(params: dict, config: LlamaConfig, buckets: Buckets, prompts: jax.Array, prompt_lens: jax.Array,
+                 active: jax.Array, sampling: SamplingArrays, features: tuple = ()):
+    """Prefill right-padded prompts [B, P] (lengths [B]) and emit each sequence's first token. Pure.
 
-    active [B] bool marks real rows (inactive padding rows start finished). Jitted; nothing donated.
+    active [B] bool marks real rows (inactive padding rows start finished). features: target features to
+    return for every prompt position (see `target_features`); () returns None.
+    Returns (DecodeState, features [B, P, F] or None).
     """
     c = config
     B, P = prompts.shape
     cache = init_cache(c.num_layers, B, buckets.capacity, c.num_kv_heads, c.head_dim, params["embed"].dtype)
     positions = jnp.broadcast_to(jnp.arange(P)[None, :], (B, P))
-    out = forward(params, c, prompts, positions, cache, logit_positions=(prompt_lens - 1)[:, None])
+    out = forward(params, c, prompts, positions, cache, logit_positions=(prompt_lens - 1)[:, None],
+                  hidden_layers=feature_layers(features))
     probs = process_logits(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p)
     step0 = jnp.zeros((B,), jnp.int32)
     first = sample(probs, uniforms(sampling.seed, step0, ())).astype(jnp.int32)
@@ -109,7 +111,33 @@ def prefill(params: dict, config: LlamaConfig, buckets: Buckets, prompts: jax.Ar
         finish=jnp.where(active, FINISH_RUNNING, FINISH_LENGTH).astype(jnp.int32),
         step=step0 + 1,
     )
-    return emit(state, first[:, None], jnp.ones((B,), jnp.int32), sampling)
+    state = emit(state, first[:, None], jnp.ones((B,), jnp.int32), sampling)
+    return state, (target_features(out, features) if features else None)
+
+
+def feature_layers(features: tuple) -> tuple[int, ...]:
+    """The integer layer indices in a feature spec (entries are layer indices or "final")."""
+    return tuple(f for f in features if f != "final")
+
+
+def target_features(out, features: tuple) -> jax.Array:
+    """Target features a drafter asked for, concatenated: [B, T, F].
+
+    Each entry is "final" (the hidden state the LM head reads, after the last norm: EAGLE-1/2 and Medusa) or a
+    layer index (that layer's residual output: EAGLE-3's low/mid/high layers).
+    """
+    layers = feature_layers(features)
+    parts = []
+    for f in features:
+        parts.append(out.hidden if f == "final" else out.layer_hidden[layers.index(f)])
+    return jnp.concatenate(parts, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "buckets"))
+def prefill(params: dict, config: LlamaConfig, buckets: Buckets, prompts: jax.Array, prompt_lens: jax.Array,
+            active: jax.Array, sampling: SamplingArrays) -> DecodeState:
+    """`prefill_core` for plain decoding. Jitted; nothing donated."""
+    return prefill_core(params, config, buckets, prompts, prompt_lens, active, sampling)[0]
 
 
 def decode_step(params: dict, config: LlamaConfig, state: DecodeState, sampling: SamplingArrays,

@@ -153,7 +153,7 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None):
         t2 = time.perf_counter()
         state = state._replace(dstate=dstate)
         state = spec_engine.verify_accept_jit(llm.params, llm.config, drafter.tree, drafter.mode, state, proposal,
-                                              sampling, attention_fn=llm._attention_fn)
+                                              sampling, attention_fn=llm._attention_fn, features=drafter.features)
         jax.block_until_ready(state.dec.num_new)
         t3 = time.perf_counter()
         draft_t += t2 - t

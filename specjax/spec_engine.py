@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 from specjax import acceptance
 from specjax.drafters.base import DraftContext, Proposal
-from specjax.engine import FINISH_RUNNING, Buckets, DecodeState, decode_step, emit, prefill
+from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step, emit, feature_layers, prefill_core,
+                            target_features)
 from specjax.kv_cache import compact
 from specjax.models.llama import LlamaConfig, forward
 from specjax.sampling import SamplingArrays, process_logits, uniforms
@@ -61,7 +62,7 @@ class SpecState(NamedTuple):
     history: jax.Array  # [B, Hc] int32: prompt followed by the emitted tokens
     prompt_lens: jax.Array  # [B] int32
     dstate: Any  # drafter state
-    hidden: Any  # [B, H] target hidden at the last accepted node (drafters that need it), else None
+    hidden: Any  # drafters with `features`: (feats [B, D+1, F] of the root and accepted nodes, count [B]); else None
     stats: SpecStats
     gain: jax.Array  # [B] float32 running mean of accepted tokens per verify step (see Adaptive)
     idle: jax.Array  # [B] int32 steps since this sequence last speculated
@@ -87,15 +88,20 @@ def context(state: SpecState, sampling: SamplingArrays) -> DraftContext:
 def spec_prefill(params, config: LlamaConfig, dparams, drafter, buckets: Buckets, prompts, prompt_lens, active,
                  sampling: SamplingArrays) -> SpecState:
     """Prefill the target (first token emitted) and the drafter. Jitted; nothing donated."""
-    dec = prefill(params, config, buckets, prompts, prompt_lens, active, sampling)
+    feats_spec = drafter.features
+    dec, feats = prefill_core(params, config, buckets, prompts, prompt_lens, active, sampling, feats_spec)
     B, P = prompts.shape
     Hc = buckets.prompt_len + buckets.max_new
     history = jnp.zeros((B, Hc), jnp.int32).at[:, :P].set(prompts)
     history = _write_history(history, prompt_lens, jnp.zeros_like(prompt_lens), dec)
-    dstate = drafter.init(dparams, params, prompts, prompt_lens, buckets.capacity)
+    dstate = drafter.init(dparams, params, prompts, prompt_lens, buckets.capacity, feats)
     hidden = None
-    if drafter.needs_hidden:
-        raise NotImplementedError("hidden-state drafters initialise through their own prefill")
+    if feats_spec:
+        # The last prompt position plays the role of the last accepted node until the first verify step.
+        last = jnp.take_along_axis(feats, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, F]
+        D1 = drafter.tree.max_depth + 1
+        hidden = (jnp.concatenate([last, jnp.zeros((B, D1 - 1, last.shape[-1]), last.dtype)], axis=1),
+                  jnp.ones((B,), jnp.int32))
     D = drafter.tree.max_depth
     zB = jnp.zeros((B,), jnp.int32)
     stats = SpecStats(zB, zB, zB, jnp.zeros((B, D), jnp.int32), jnp.zeros((B, D), jnp.int32), zB)
@@ -104,10 +110,12 @@ def spec_prefill(params, config: LlamaConfig, dparams, drafter, buckets: Buckets
 
 
 def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode: str, state: SpecState, proposal: Proposal,
-                  sampling: SamplingArrays, attention_fn=None) -> tuple[SpecState, acceptance.AcceptResult]:
+                  sampling: SamplingArrays, attention_fn=None,
+                  features: tuple = ()) -> tuple[SpecState, acceptance.AcceptResult]:
     """Verify a proposal with one target forward and accept; returns the advanced state. Pure, not jitted.
 
     proposal.tokens [B, N] (root = last_token), parents/valid [B, N], q [B, N, V] or None.
+    features: target features the drafter reads (stored in state.hidden for the root and accepted nodes).
     """
     dec = state.dec
     cache = dec.cache
@@ -121,7 +129,8 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode: str, state:
     eye = jnp.eye(N, dtype=bool)[None]
     tree_mask = (tree_mask & proposal.valid[:, None, :]) | eye
     positions = cache.lengths[:, None] + depth
-    out = forward(params, config, proposal.tokens, positions, cache, tree_mask, attention_fn=attention_fn)
+    out = forward(params, config, proposal.tokens, positions, cache, tree_mask, attention_fn=attention_fn,
+                  hidden_layers=feature_layers(features))
     p = process_logits(out.logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, N, V]
     u = uniforms(sampling.seed, dec.step, (N + 1,), stream=TARGET_STREAM)
     result = acceptance.accept_tree(proposal.tokens, proposal.parents, proposal.valid, p, proposal.q,
@@ -157,9 +166,9 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode: str, state:
         plain_steps=st.plain_steps,
     )
     hidden = None
-    if state.hidden is not None:
-        last = jnp.take_along_axis(out.hidden, result.last_node[:, None, None], axis=1)[:, 0]
-        hidden = last
+    if features:
+        feats = target_features(out, features)  # [B, N, F]
+        hidden = (jnp.take_along_axis(feats, src[:, :, None], axis=1), 1 + n_acc)
     return state._replace(dec=dec, history=history, stats=stats, hidden=hidden), result
 
 
@@ -198,7 +207,7 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
         def verify(state):
             before = state.stats.accepted
             new, result = verify_accept(params, config, drafter.tree, drafter.mode, state, proposal, sampling,
-                                        attention_fn)
+                                        attention_fn, drafter.features)
             new = new._replace(dstate=drafter.update(dparams, new.dstate, ctx, result))
             if adaptive is None:
                 return new
@@ -207,10 +216,11 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
             return new._replace(gain=gain, idle=jnp.where(had, 0, state.idle + 1))
 
         if not allow_cond or state.hidden is not None:
+            # Feature drafters need the verify forward's features every step, so they never take the plain path.
             return verify(state)
         return jax.lax.cond(jnp.any(had), verify, plain, state)
 
-    if not allow_cond or adaptive is None:
+    if not allow_cond or adaptive is None or state.hidden is not None:
         return speculative(state)
     return jax.lax.cond(jnp.any(want & running), speculative, plain, state)
 
@@ -236,12 +246,13 @@ def spec_loop(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
     return state
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tree", "mode", "attention_fn"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "tree", "mode", "attention_fn", "features"),
+                   donate_argnames=("state",))
 def verify_accept_jit(params, config: LlamaConfig, tree: TreeSpec, mode: str, state: SpecState, proposal: Proposal,
-                      sampling: SamplingArrays, attention_fn=None) -> SpecState:
+                      sampling: SamplingArrays, attention_fn=None, features: tuple = ()) -> SpecState:
     """`verify_accept` as a jitted entry point for host-side drafters (suffix decoding) and profiling.
     Jitted; `state` is donated."""
-    return verify_accept(params, config, tree, mode, state, proposal, sampling, attention_fn)[0]
+    return verify_accept(params, config, tree, mode, state, proposal, sampling, attention_fn, features)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("drafter",))

@@ -3,7 +3,7 @@
 A drafter is a frozen, hashable dataclass holding only static settings (it is a static jit argument); its
 weights travel separately as `dparams` and its evolving state as `dstate`, both pytrees. Three pure steps:
 
-    init(dparams, target_params, prompts [B, P], prompt_lens [B], capacity) -> dstate
+    init(dparams, target_params, prompts [B, P], prompt_lens [B], capacity, features [B, P, F] | None) -> dstate
     propose(dparams, dstate, ctx: DraftContext) -> (Proposal, dstate)
     update(dparams, dstate, ctx: DraftContext, result: AcceptResult) -> dstate
     observe_plain(dparams, dstate, ctx: DraftContext) -> dstate   # the engine decodes ctx.last_token plainly
@@ -30,7 +30,7 @@ class DraftContext(NamedTuple):
     lengths: jax.Array  # [B] int32: committed target cache entries (= hist_len - 1)
     sampling: SamplingArrays
     step: jax.Array  # [B] int32: RNG stream position
-    target_hidden: Any  # [B, H] final hidden state at the last accepted node, or None
+    target_hidden: Any  # (feats [B, D+1, F] of the root + accepted nodes of the last step, count [B]) or None
 
 
 class Proposal(NamedTuple):
@@ -43,9 +43,9 @@ class Proposal(NamedTuple):
 class Drafter(Protocol):
     tree: TreeSpec
     mode: str
-    needs_hidden: bool
+    features: tuple  # target features read from ctx.target_hidden: () none, "final" and/or layer indices
 
-    def init(self, dparams, target_params, prompts, prompt_lens, capacity: int): ...
+    def init(self, dparams, target_params, prompts, prompt_lens, capacity: int, features=None): ...
 
     def propose(self, dparams, dstate, ctx: DraftContext): ...
 

@@ -30,13 +30,13 @@ class DraftModelDrafter:
     num_speculative_tokens: int = 4
     target_vocab_size: int = 0
     mode: str = "iid"
-    needs_hidden: bool = False
+    features: tuple = ()
 
     @property
     def tree(self) -> TreeSpec:
         return chain(self.num_speculative_tokens)
 
-    def init(self, dparams, target_params, prompts, prompt_lens, capacity):
+    def init(self, dparams, target_params, prompts, prompt_lens, capacity, features=None):
         c = self.config
         B, P = prompts.shape
         cache = init_cache(c.num_layers, B, capacity, c.num_kv_heads, c.head_dim, dparams["params"]["embed"].dtype)

@@ -20,7 +20,7 @@ class NgramDrafter:
     min_n: int = 1
     max_n: int = 3
     mode: str = "deterministic"
-    needs_hidden: bool = False
+    features: tuple = ()
 
     def __post_init__(self):
         if self.min_n < 1 or self.max_n < self.min_n:
@@ -31,7 +31,7 @@ class NgramDrafter:
     def tree(self) -> TreeSpec:
         return chain(self.num_speculative_tokens)
 
-    def init(self, dparams, target_params, prompts, prompt_lens, capacity):
+    def init(self, dparams, target_params, prompts, prompt_lens, capacity, features=None):
         return ()
 
     def update(self, dparams, dstate, ctx, result):

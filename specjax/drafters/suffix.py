@@ -25,7 +25,7 @@ class SuffixDrafter:
     min_token_prob: float = 0.1
     max_tree_depth: int = 8
     mode: str = "deterministic"
-    needs_hidden: bool = False
+    features: tuple = ()
     host_side: bool = True
 
     @classmethod
@@ -38,7 +38,7 @@ class SuffixDrafter:
         # The node budget and the depth bound: proposals fill N = budget + 1 nodes with their own parents.
         return TreeSpec((-1,) + tuple(range(self.max_tree_depth)) + (0,) * (self.num_speculative_tokens - self.max_tree_depth))
 
-    def init(self, dparams, target_params, prompts, prompt_lens, capacity):
+    def init(self, dparams, target_params, prompts, prompt_lens, capacity, features=None):
         return ()
 
     def update(self, dparams, dstate, ctx, result):
