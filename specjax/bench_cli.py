@@ -24,7 +24,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all-turns", action="store_true", help="run multi-turn questions as a conversation")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", default="bench-results", help="output directory (JSON + Markdown)")
+    p.add_argument("--out", default="bench-results", help="output directory (JSON + Markdown + PNG)")
+    p.add_argument("--peers", nargs="*", default=[],
+                   help="peer engines run greedily on the same prompts: transformers, transformers-prompt-lookup, "
+                        "transformers-assisted, llama.cpp, llama.cpp-prompt-lookup")
+    p.add_argument("--peer-draft", default=None, help="HF draft directory for transformers-assisted")
 
 
 def _jsonable(x):
@@ -35,6 +39,24 @@ def _jsonable(x):
     if isinstance(x, (np.floating,)):
         return float(x)
     raise TypeError(type(x))
+
+
+def _run_peers(args, prompts, results) -> None:
+    from specjax.peers import PeerUnavailable, make_runner
+
+    for name in args.peers:
+        try:
+            runner = make_runner(name, args.model, assistant_dir=args.peer_draft)
+        except PeerUnavailable as e:
+            print(f"peer {name} skipped: {e}", file=sys.stderr)
+            continue
+        print(f"running peer {name}", file=sys.stderr)
+        results[f"peer:{name}"] = runner(prompts, args.max_new_tokens)
+        base = name.split("-")[0]
+        if name != base and f"peer:{base}" in results:
+            same = [a["token_ids"] == b["token_ids"] for a, b in zip(results[f"peer:{base}"], results[f"peer:{name}"])]
+            print(f"peer {name}: greedy output identical to its own plain greedy on {sum(same)}/{len(same)} prompts",
+                  file=sys.stderr)
 
 
 def run(args) -> int:
@@ -72,6 +94,8 @@ def run(args) -> int:
             if temp == 0 and label != "plain":
                 same = [a["token_ids"] == b["token_ids"] for a, b in zip(results["plain"], results[label])]
                 print(f"{label}: greedy output identical to plain on {sum(same)}/{len(same)} prompts", file=sys.stderr)
+        if temp == 0:
+            _run_peers(args, prompts, results)
         summary = bench.summarize(results)
         title = f"T={temp}" + (" (greedy)" if temp == 0 else "")
         bench.print_table(summary, title)

@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     from specjax.bench_cli import add_arguments
 
     add_arguments(b)
+    tn = sub.add_parser("tune", help="measure costs and acceptance, pick gamma, compare predicted and measured speedup")
+    _common(tn)
+    tn.add_argument("--dataset", required=True, help="prompt file (Spec-Bench format, JSONL or text)")
+    tn.add_argument("--per-category", type=int, default=1)
+    tn.add_argument("--limit", type=int, default=8)
+    tn.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 4, 6, 8])
+    tn.add_argument("--no-validate", action="store_true", help="skip measuring every gamma")
+    tn.add_argument("--json", help="write the full result here")
     s = sub.add_parser("configs", help="list the packaged configs, or print one resolved config")
     s.add_argument("name", nargs="?")
     s.add_argument("--set", action="append", metavar="KEY=VALUE")
@@ -169,6 +177,22 @@ def cmd_bench(args) -> int:
     return run(args)
 
 
+def cmd_tune(args) -> int:
+    from specjax import bench, tune
+
+    cfg = load_run_config(args.config, _shortcut_overrides(args))
+    if not cfg.speculative.enabled:
+        raise ConfigError("tune needs a speculative method: pass --config methods/<name> or --method")
+    prompts = [p.turns[0] for p in bench.load_prompts(args.dataset, per_category=args.per_category, limit=args.limit)]
+    llm = _llm(cfg)
+    result = tune.tune(llm, cfg.speculative, prompts, args.gammas, cfg.sampling.max_new_tokens,
+                       validate=not args.no_validate)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
 def cmd_configs(args) -> int:
     if args.name is None:
         print("\n".join(available_configs()))
@@ -192,7 +216,8 @@ def user_errors() -> tuple[type[Exception], ...]:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "configs": cmd_configs}[args.command](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "tune": cmd_tune,
+                "configs": cmd_configs}[args.command](args)
     except user_errors() as e:
         print(f"specjax: error: {e}", file=sys.stderr)
         return 2
