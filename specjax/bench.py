@@ -221,3 +221,47 @@ def print_table(summary: dict, title: str) -> None:
             row.append(s)
         t.add_row(method, *row)
     Console().print(t)
+
+
+def plot(summary: dict, path_prefix: str, title: str) -> list[str]:
+    """PNG plots: speedup by category and method, acceptance by position. Returns the files written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    files = []
+    cats = [c for c in next(iter(summary.values())) if c != "overall"] + ["overall"]
+    methods = [m for m in summary if m != "plain"]
+    if methods:
+        fig, ax = plt.subplots(figsize=(max(6, len(cats) * 0.9), 4))
+        w = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            ax.bar(np.arange(len(cats)) + i * w, [summary[m][c].get("speedup", np.nan) for c in cats], w, label=m)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(np.arange(len(cats)) + 0.4 - w / 2, cats, rotation=30, ha="right")
+        ax.set_ylabel("speedup over specjax plain")
+        ax.set_title(f"{title}: speedup by category")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        files.append(f"{path_prefix}_speedup.png")
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+    spec = [m for m in summary if "per_position" in summary[m]["overall"]]
+    if spec:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m in spec:
+            pp = summary[m]["overall"]["per_position"]
+            ax.plot(np.arange(1, len(pp) + 1), pp, marker="o", label=m)
+        ax.set_xlabel("draft position (depth)")
+        ax.set_ylabel("acceptance rate")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{title}: acceptance by position")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        files.append(f"{path_prefix}_acceptance.png")
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+    return files

@@ -100,6 +100,8 @@ def run(args) -> int:
         title = f"T={temp}" + (" (greedy)" if temp == 0 else "")
         bench.print_table(summary, title)
         md.append(bench.markdown(summary, title))
+        for png in bench.plot(summary, os.path.join(args.out, f"T{temp:g}"), title):
+            md.append(f"![{os.path.basename(png)}]({os.path.basename(png)})\n")
         report["runs"][str(temp)] = {"summary": summary, "records": results}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(report, f, indent=1, default=_jsonable)

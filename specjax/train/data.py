@@ -16,7 +16,8 @@ Everything is saved to one `.npz` of plain arrays (no pickles; `np.load(..., all
     heldout      [N] bool        evaluation split (never trained on)
     meta         0-d str         JSON: target, max_new_tokens, top_k, seed, generation seconds, ...
 
-Run: `python -m specjax.train.data --out /path/to/data.npz` (see --help).
+Run: `python -m specjax.train.data --out /path/to/data.npz` (see --help). Finished batches are kept in
+`<out>.partial.npz` as it goes, so rerunning an interrupted command continues instead of starting over.
 """
 from __future__ import annotations
 
@@ -109,8 +110,12 @@ def plan_requests(prompts: list[Prompt], sample_every: int, temperature: float) 
 
 def generate_dataset(params: dict, config: LlamaConfig, tokenizer, prompts: list[Prompt], *, max_new: int = 160,
                      batch: int = 16, top_k: int = 16, sample_every: int = 4, temperature: float = 0.7,
-                     seed: int = 0, progress: bool = True) -> dict[str, np.ndarray]:
-    """Run the target on every prompt and return the arrays described in the module docstring (meta excluded)."""
+                     seed: int = 0, progress: bool = True, partial: str | None = None) -> dict[str, np.ndarray]:
+    """Run the target on every prompt and return the arrays described in the module docstring (meta excluded).
+
+    partial: a .npz path where finished batches are saved after each batch; an existing one made with the same
+    settings is picked up, so an interrupted run continues where it stopped (it is deleted at the end).
+    """
     if batch < 1 or max_new < 1 or top_k < 1:
         raise DataError(f"batch ({batch}), max_new ({max_new}) and top_k ({top_k}) must all be >= 1")
     plan = plan_requests(prompts, sample_every, temperature)
@@ -127,7 +132,19 @@ def generate_dataset(params: dict, config: LlamaConfig, tokenizer, prompts: list
     topk_ids = np.zeros((n, max_new, top_k), np.int32)
     topk_logp = np.zeros((n, max_new, top_k), np.float16)
     batches = [order[s:s + batch] for s in range(0, n, batch)]
-    bar = _tqdm(batches, progress, desc="generate", unit="batch")
+    done = np.zeros(len(batches), bool)
+    settings = np.asarray(json.dumps({"n": n, "P": P, "max_new": max_new, "batch": batch, "top_k": top_k,
+                                      "sample_every": sample_every, "temperature": temperature, "seed": seed,
+                                      "prompts": [len(i) for i in ids]}))
+    work = {"tokens": tokens, "prompt_len": prompt_len, "length": length, "topk_ids": topk_ids, "topk_logp": topk_logp}
+    if partial and os.path.isfile(partial):
+        with np.load(partial, allow_pickle=False) as f:
+            if str(f["settings"]) == str(settings):
+                done = f["done"].copy()
+                for k in work:
+                    work[k][...] = f[k]
+    bar = _tqdm([b for b, d in zip(batches, done) if not d], progress, desc="generate", unit="batch",
+                initial=int(done.sum()), total=len(batches))
     made = 0
     t0 = time.perf_counter()
     for rows in bar:
@@ -152,8 +169,15 @@ def generate_dataset(params: dict, config: LlamaConfig, tokenizer, prompts: list
             topk_ids[j] = tk_ids[r]
             topk_logp[j] = tk_lp[r].astype(np.float16)
             made += k
+        if partial:
+            done[batches.index(rows)] = True
+            tmp = partial + ".tmp.npz"
+            np.savez(tmp, settings=settings, done=done, **work)
+            os.replace(tmp, partial)
         if progress:
             bar.set_postfix(tok=made, tok_s=f"{made / (time.perf_counter() - t0):.1f}")
+    if partial and os.path.isfile(partial):
+        os.remove(partial)
     L = -(-int(length.max()) // 32) * 32
     return {
         "tokens": tokens[:, :L],
@@ -224,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from specjax.models.loading import load_model
 
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     loaded = load_model(args.target, "float32")
     prompts = build_prompts()
     if args.limit:
@@ -231,8 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     arrays = generate_dataset(loaded.params, loaded.config, loaded.tokenizer, prompts,
                               max_new=args.max_new_tokens, batch=args.batch, top_k=args.top_k,
-                              sample_every=args.sample_every, temperature=args.temperature, seed=args.seed)
-    seconds = time.perf_counter() - t0
+                              sample_every=args.sample_every, temperature=args.temperature, seed=args.seed,
+                              partial=args.out + ".partial.npz")
+    seconds = time.perf_counter() - t0  # of this invocation (a resumed run counts only its own part)
     new_tokens = int(np.sum(arrays["length"] - arrays["prompt_len"]))
     meta = {"target": args.target, "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
             "sample_every": args.sample_every, "temperature": args.temperature, "seed": args.seed,
