@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     from specjax.bench_cli import add_arguments
 
     add_arguments(b)
+    cp = sub.add_parser("compare", help="one config on several backends/devices or methods, greedy outputs cross-checked")
+    from specjax.compare import add_arguments as compare_arguments
+
+    compare_arguments(cp)
     tn = sub.add_parser("tune", help="measure costs and acceptance, pick gamma, compare predicted and measured speedup")
     _common(tn)
     tn.add_argument("--dataset", required=True, help="prompt file (Spec-Bench format, JSONL or text)")
@@ -177,6 +181,12 @@ def cmd_bench(args) -> int:
     return run(args)
 
 
+def cmd_compare(args) -> int:
+    from specjax.compare import run
+
+    return run(args)
+
+
 def cmd_tune(args) -> int:
     from specjax import bench, tune
 
@@ -216,7 +226,7 @@ def user_errors() -> tuple[type[Exception], ...]:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "tune": cmd_tune,
+        return {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "tune": cmd_tune, "compare": cmd_compare,
                 "configs": cmd_configs}[args.command](args)
     except user_errors() as e:
         print(f"specjax: error: {e}", file=sys.stderr)
