@@ -83,18 +83,12 @@ def process_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, 
 
 
 def sample(probs: jax.Array, u: jax.Array) -> jax.Array:
-    """Inverse-CDF sample. probs [..., V] (need not be normalised), u [...] in [0, 1) -> [...] int32.
+    """Inverse-CDF sample, probs [..., V] (need not be normalised), u [...] -> [...] int32. The one sampling
+    routine of specjax (plain decoding, drafters and the acceptance sampler's final token all use it); it never
+    returns a zero-probability token."""
+    from specjax.acceptance import sample_from
 
-    Never returns a zero-probability token: rounding in the cumulative sum could otherwise step past the last
-    nonzero entry when u is close to 1.
-    """
-    probs = probs.astype(jnp.float32)
-    cdf = jnp.cumsum(probs, axis=-1)
-    total = cdf[..., -1:]
-    idx = jnp.sum(cdf <= u[..., None] * total, axis=-1).astype(jnp.int32)
-    V = probs.shape[-1]
-    last_nonzero = (V - 1 - jnp.argmax((probs > 0)[..., ::-1], axis=-1)).astype(jnp.int32)
-    return jnp.minimum(idx, last_nonzero)
+    return sample_from(probs, u)
 
 
 def request_key(seed: jax.Array, step: jax.Array, stream: int = 0) -> jax.Array:

@@ -529,6 +529,11 @@ def train(args) -> dict:
                {"target": args.target, "steps": args.steps, "init_layers": list(args.init_layers),
                 "heldout_top1_agreement": final_eval["agree"] if final_eval else None})
     plot_curve(history, os.path.join(export, "training_curve.png"))
+    if eval_t is not None:
+        # What ships is bf16: measure the exported weights themselves, as the drafter will load them.
+        _, shipped, _ = load_draft(export, {"embed": frozen["embed"]})
+        summary["heldout_exported"] = evaluate({"layers": shipped["layers"], "final_norm": shipped["final_norm"]},
+                                               frozen, config, eval_t, args.eval_batch, args.hard_weight)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
