@@ -65,7 +65,10 @@ class LLM:
     """A loaded model ready to generate. Holds only immutable things: config, params, tokenizer."""
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", *, backend: str = "auto",
-                 attention_impl: str = "auto", max_context: int | None = None):
+                 attention_impl: str = "auto", max_context: int | None = None, attention_interpret: bool = False):
+        """backend: 'auto' | 'cpu' | 'gpu' | 'tpu' run the default program; 'neuron' runs the Neuron-policy
+        program (fused unrolled steps looped from the host, buckets compiled ahead of time), on CPU when the
+        Neuron SDK is absent. attention_interpret runs Pallas kernels in interpret mode (testing on CPU)."""
         loaded = load_model(model, dtype)
         self.model_spec = model
         self.dtype = dtype
@@ -77,7 +80,7 @@ class LLM:
                                loaded.config.max_position_embeddings)
         self.backend = backend
         self.attention_impl = attention_impl
-        self._attention_fn = resolve_attention(attention_impl, backend)
+        self._attention_fn = resolve_attention(attention_impl, backend, attention_interpret)
         self._drafters: dict = {}
 
     # ------------------------------------------------------------------------------------ input handling
@@ -100,6 +103,9 @@ class LLM:
         )
 
     def _normalise(self, prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+        if not isinstance(prompts, (str, Sequence)):
+            raise RequestError(f"prompts must be a string, a list of token ids, chat messages, or a list of those; "
+                               f"got {type(prompts).__name__}")
         single = isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (Mapping, int, np.integer)))
         prompts = [prompts] if single else list(prompts)
@@ -127,23 +133,33 @@ class LLM:
                 + f" = {need} exceeds the context of {self.max_context}; lower max_new_tokens to "
                 f"{max(0, self.max_context - len(ids) - extra)} or less")
 
+    def stop_ids(self, sp: SamplingParams) -> list[int]:
+        """The request's stop ids: its own plus the tokenizer's end tokens unless ignore_eos."""
+        ids = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(self.tokenizer.stop_token_ids))
+        return list(dict.fromkeys(ids))
+
+    def num_stop(self, params: list[SamplingParams]) -> int:
+        return max(len(self.stop_ids(p)) for p in params)
+
     def sampling_arrays(self, params: list[SamplingParams], batch: int, num_stop: int) -> SamplingArrays:
         pad = batch - len(params)
         params = params + [params[-1]] * pad
 
         def stops(sp: SamplingParams) -> list[int]:
-            ids = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(self.tokenizer.stop_token_ids))
-            ids = list(dict.fromkeys(ids))[:num_stop]
+            ids = self.stop_ids(sp)
+            if len(ids) > num_stop:
+                raise RequestError(f"{len(ids)} stop token ids do not fit the {num_stop} slots of this bucket")
             return ids + [-1] * (num_stop - len(ids))
 
-        return SamplingArrays(
-            temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-            seed=jnp.asarray([p.seed % (2 ** 32) for p in params], jnp.uint32),
-            max_new_tokens=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
-            stop_ids=jnp.asarray([stops(p) for p in params], jnp.int32),
-        )
+        # NumPy then one device_put: jnp.asarray would compile small conversion programs per new shape.
+        return jax.device_put(SamplingArrays(
+            temperature=np.asarray([p.temperature for p in params], np.float32),
+            top_k=np.asarray([p.top_k for p in params], np.int32),
+            top_p=np.asarray([p.top_p for p in params], np.float32),
+            seed=np.asarray([p.seed % (2 ** 32) for p in params], np.uint32),
+            max_new_tokens=np.asarray([p.max_new_tokens for p in params], np.int32),
+            stop_ids=np.asarray([stops(p) for p in params], np.int32),
+        ))
 
     # ------------------------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params=None, speculative_config=None, *, chat: bool | None = None,
@@ -160,6 +176,13 @@ class LLM:
         prompts, params = self._normalise(prompts, sampling_params)
         spec = SpeculativeConfig.from_user(speculative_config)
         ids = [self.encode_prompt(p, chat) for p in prompts]
+        if self.backend == "neuron":
+            from specjax.backends.neuron import generate_neuron
+
+            outs = generate_neuron(self, ids, params, spec if spec.enabled else None)
+            for o, p in zip(outs, prompts):
+                o.prompt = p
+            return outs
         if spec.enabled:
             from specjax import spec_api
 
@@ -170,7 +193,8 @@ class LLM:
 
     def _generate_plain(self, prompts, ids, params, stream=None) -> list[RequestOutput]:
         n = len(ids)
-        b = engine.make_buckets(n, max(map(len, ids)), max(p.max_new_tokens for p in params))
+        b = engine.make_buckets(n, max(map(len, ids)), max(p.max_new_tokens for p in params),
+                                num_stop=self.num_stop(params))
         tokens, lens, active = pad_prompts(ids, b.batch, b.prompt_len)
         sampling = self.sampling_arrays(params, b.batch, b.num_stop)
         t0 = time.perf_counter()
@@ -225,17 +249,16 @@ def pad_prompts(ids: list[list[int]], batch: int, length: int):
         tokens[i, :len(t)] = t
         lens[i] = len(t)
         active[i] = True
-    return jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(active)
+    return jax.device_put((tokens, lens, active))
 
 
-def resolve_attention(attention_impl: str, backend: str):
+def resolve_attention(attention_impl: str, backend: str, interpret: bool = False):
     """The verify-attention function for this platform (None = the XLA reference inside the model)."""
-    if attention_impl in ("auto", "reference") and backend in ("auto", "cpu"):
+    if attention_impl in ("auto", "reference") and backend in ("auto", "cpu", "neuron") and not interpret:
         if attention_impl == "reference" or jax.default_backend() == "cpu":
             return None
     try:
         from specjax.backends.registry import get_attention
     except ImportError as e:  # pragma: no cover - the registry ships with specjax
         raise ConfigError(f"backend registry unavailable: {e}") from None
-    fn = get_attention(attention_impl)
-    return fn
+    return get_attention(attention_impl, interpret=interpret)

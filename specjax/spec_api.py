@@ -101,7 +101,8 @@ def generate(llm, prompts, ids, params, spec: SpeculativeConfig, *, profile: boo
     for i, (t, sp) in enumerate(zip(ids, params)):
         llm._check(i, t, sp, extra)
     n = len(ids)
-    b = engine.make_buckets(n, max(map(len, ids)), max(p.max_new_tokens for p in params), extra_slots=extra)
+    b = engine.make_buckets(n, max(map(len, ids)), max(p.max_new_tokens for p in params), extra_slots=extra,
+                            num_stop=llm.num_stop(params))
     from specjax.api import pad_prompts
 
     tokens, lens, active = pad_prompts(ids, b.batch, b.prompt_len)

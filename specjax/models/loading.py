@@ -87,7 +87,10 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
     if arch == "MistralForCausalLM" and sw and sw < cfg.get("max_position_embeddings", 0):
         raise ModelLoadError(f"{where}: sliding-window attention ({sw}) is not supported")
     heads = cfg["num_attention_heads"]
-    rope_scaling = cfg.get("rope_scaling")
+    # transformers >= 5 writes rope_theta and the scaling only inside `rope_parameters`.
+    rp = cfg.get("rope_parameters") or {}
+    rope_theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
+    rope_scaling = cfg.get("rope_scaling") or ({k: v for k, v in rp.items() if k != "rope_theta"} or None)
     if rope_scaling:
         kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
         if kind == "default":
@@ -104,7 +107,7 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
             num_kv_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=rope_theta,
             rope_scaling=tuple(sorted((k, v) for k, v in rope_scaling.items() if not isinstance(v, (list, dict))))
             if rope_scaling else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),

@@ -1,0 +1,164 @@
+"""The built wheel contains every package of the source tree, at its `specjax.*` name.
+
+The expected contents are discovered from the source tree, not listed here: every directory with Python files
+under specjax/, backends/ (-> specjax/backends) and kernels/ (-> specjax/kernels), and every configs/**/*.yaml
+(-> specjax/configs). So a new subpackage that pyproject.toml's explicit `packages` list does not name makes
+this test fail. The wheel is built from a copy of the sources (so the work tree gets no build/ or egg-info),
+then unpacked into a folder and imported from there, outside the repository, by a subprocess.
+"""
+from __future__ import annotations
+
+import configparser
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Source folder -> its path inside the wheel.
+MAPPING = {"specjax": "specjax", "backends": "specjax/backends", "kernels": "specjax/kernels",
+           "configs": "specjax/configs"}
+SKIP_DIRS = {"__pycache__", ".pytest_cache"}
+
+def source_packages() -> list[str]:
+    """Wheel paths of every source directory (below the mapped roots) that holds Python files."""
+    found = []
+    for src, dst in MAPPING.items():
+        base = os.path.join(ROOT, src)
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+            if any(f.endswith(".py") for f in filenames):
+                rel = os.path.relpath(dirpath, base)
+                found.append(dst if rel == "." else f"{dst}/{rel.replace(os.sep, '/')}")
+    return sorted(found)
+
+
+def source_files(suffix: str, wheel_dir: str) -> list[str]:
+    """Wheel paths of the source files with `suffix` that belong in `wheel_dir` (not in its subfolders)."""
+    src, dst = max(((s, d) for s, d in MAPPING.items() if wheel_dir == d or wheel_dir.startswith(d + "/")),
+                   key=lambda sd: len(sd[1]))
+    folder = os.path.join(ROOT, src, wheel_dir[len(dst):].lstrip("/"))
+    return sorted(f"{wheel_dir}/{f}" for f in os.listdir(folder) if f.endswith(suffix))
+
+
+def config_yamls() -> list[str]:
+    base = os.path.join(ROOT, "configs")
+    out = []
+    for dirpath, _, filenames in os.walk(base):
+        for f in filenames:
+            if f.endswith((".yaml", ".yml")):
+                out.append("specjax/configs/" + os.path.relpath(os.path.join(dirpath, f), base).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def _have_local_build_backend() -> bool:
+    """setuptools >= 68 and wheel importable: the build can run without fetching its backend."""
+    if importlib.util.find_spec("wheel") is None:
+        return False
+    import setuptools
+
+    return int(setuptools.__version__.split(".")[0]) >= 68
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    if importlib.util.find_spec("build") is None:
+        pytest.skip("the `build` package is missing (pip install -e .[test])")
+    src = tmp_path_factory.mktemp("src")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist", ".pytest_cache")
+    for name in os.listdir(ROOT):
+        path = os.path.join(ROOT, name)
+        if name in MAPPING:
+            shutil.copytree(path, src / name, ignore=ignore)
+        elif os.path.isfile(path) and name in ("pyproject.toml", "README.md", "LICENSE", "setup.cfg", "MANIFEST.in"):
+            shutil.copy(path, src / name)
+    out = tmp_path_factory.mktemp("dist")
+    cmd = [sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(src)]
+    if _have_local_build_backend():
+        cmd.insert(4, "--no-isolation")  # otherwise build fetches setuptools/wheel into an isolated env
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"wheel build failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    wheels = [f for f in os.listdir(out) if f.endswith(".whl")]
+    assert len(wheels) == 1, wheels
+    return str(out / wheels[0])
+
+
+@pytest.fixture(scope="module")
+def names(wheel) -> set[str]:
+    with zipfile.ZipFile(wheel) as z:
+        return set(z.namelist())
+
+
+
+
+def test_discovery_sees_the_core_packages():
+    """Guard: discovery itself works (else every parametrized test below could pass vacuously)."""
+    pkgs = source_packages()
+    for must in ("specjax", "specjax/models", "specjax/drafters", "specjax/backends", "specjax/kernels",
+                 "specjax/kernels/pallas", "specjax/configs"):
+        assert must in pkgs
+    assert len(config_yamls()) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pkg", source_packages())
+def test_wheel_contains_package(names, pkg):
+    expected = source_files(".py", pkg)
+    missing = [f for f in expected if f not in names]
+    assert not missing, f"{pkg}: missing from the wheel: {missing}"
+
+
+@pytest.mark.slow
+def test_wheel_contains_every_config_yaml(names):
+    missing = [f for f in config_yamls() if f not in names]
+    assert not missing, f"config files missing from the wheel: {missing}"
+
+
+@pytest.mark.slow
+def test_wheel_has_no_stray_top_level_packages(names):
+    tops = {n.split("/", 1)[0] for n in names}
+    assert tops == {"specjax", next(t for t in tops if t.endswith(".dist-info"))}, sorted(tops)
+    for stray in ("backends/", "kernels/", "configs/", "tests/"):
+        assert not any(n.startswith(stray) for n in names), f"top-level {stray} shipped in the wheel"
+
+
+@pytest.mark.slow
+def test_console_script_target_is_in_the_wheel(names, wheel):
+    with zipfile.ZipFile(wheel) as z:
+        entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        cp = configparser.ConfigParser()
+        cp.read_string(z.read(entry).decode())
+    target = cp["console_scripts"]["specjax"]
+    module = target.split(":")[0]
+    assert module.replace(".", "/") + ".py" in names, f"console script {target} points at a module not in the wheel"
+
+
+@pytest.mark.slow
+def test_unpacked_wheel_imports_outside_the_repo(wheel, tmp_path):
+    """Import the shipped packages from the unpacked wheel (cwd outside the repo, the wheel dir first on the path)
+    and find the packaged configs through importlib.resources."""
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    code = (
+        "import importlib, os, sys\n"
+        "site = sys.argv[1]\n"
+        "mods = ['specjax', 'specjax.models.llama', 'specjax.models.loading', 'specjax.drafters', 'specjax.backends',"
+        " 'specjax.kernels', 'specjax.kernels.pallas', 'specjax.engine', 'specjax.api']\n"
+        "for m in mods:\n"
+        "    f = importlib.import_module(m).__file__\n"
+        "    assert f.startswith(site), (m, f)\n"
+        "from specjax.config import available_configs, packaged_config_path\n"
+        "names = available_configs()\n"
+        "assert 'methods/ngram' in names, names\n"
+        "assert str(packaged_config_path('methods/ngram')).startswith(site)\n"
+        "print('ok', len(names))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(site), JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-P", "-c", code, str(site)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
