@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     from specjax.bench_cli import add_arguments
 
     add_arguments(b)
+    bt = sub.add_parser("batch", help="offline generation over a JSONL file (continuous batching, resumable)")
+    from specjax.batch import add_arguments as batch_arguments
+
+    batch_arguments(bt)
     cp = sub.add_parser("compare", help="one config on several backends/devices or methods, greedy outputs cross-checked")
     from specjax.compare import add_arguments as compare_arguments
 
@@ -181,6 +185,12 @@ def cmd_bench(args) -> int:
     return run(args)
 
 
+def cmd_batch(args) -> int:
+    from specjax.batch import run
+
+    return run(args)
+
+
 def cmd_compare(args) -> int:
     from specjax.compare import run
 
@@ -227,6 +237,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "tune": cmd_tune, "compare": cmd_compare,
+                "batch": cmd_batch,
                 "configs": cmd_configs}[args.command](args)
     except user_errors() as e:
         print(f"specjax: error: {e}", file=sys.stderr)

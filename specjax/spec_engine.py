@@ -222,7 +222,11 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
 
     if not allow_cond or adaptive is None or state.hidden is not None:
         return speculative(state)
-    return jax.lax.cond(jnp.any(want & running), speculative, plain, state)
+    # The verify forward costs the same for every row of the batch (fixed shapes), so speculate only when the
+    # batch as a whole expects enough accepted tokens: the mean gain over running rows, non-wanting rows as 0.
+    n_run = jnp.maximum(jnp.sum(running), 1)
+    batch_gain = jnp.sum(jnp.where(want & running, jnp.maximum(state.gain, adaptive.min_gain), 0.0)) / n_run
+    return jax.lax.cond(batch_gain >= adaptive.min_gain, speculative, plain, state)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn", "allow_cond", "adaptive"),
