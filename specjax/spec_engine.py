@@ -226,7 +226,9 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
     # batch as a whole expects enough accepted tokens: the mean gain over running rows, non-wanting rows as 0.
     n_run = jnp.maximum(jnp.sum(running), 1)
     batch_gain = jnp.sum(jnp.where(want & running, jnp.maximum(state.gain, adaptive.min_gain), 0.0)) / n_run
-    return jax.lax.cond(batch_gain >= adaptive.min_gain, speculative, plain, state)
+    # A long-idle row forces an occasional probe, so a batch that backed off can find acceptance again.
+    probe = jnp.any(running & (state.idle >= 4 * adaptive.probe_every))
+    return jax.lax.cond((batch_gain >= adaptive.min_gain) | probe, speculative, plain, state)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn", "allow_cond", "adaptive"),

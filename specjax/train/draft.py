@@ -362,8 +362,8 @@ def chain_acceptance(match: np.ndarray, mask: np.ndarray, depth: int = 8) -> dic
     match/mask [N, L] bool. Drafting k tokens from position t, draft j (0-based) is accepted iff drafts
     0..j all equal the target's greedy tokens; on greedy target text the draft's context is exactly the
     accepted prefix, so teacher forcing gives the real chain outcome. Returns alpha[j] = P(draft j accepted |
-    drafts before it accepted) and tau[k] = expected tokens per verify step with k drafts (accepted + 1),
-    each over the start positions whose k-th draft lies inside the response.
+    drafts before it accepted; None when no start reaches it) and tau[k] = expected tokens per verify step
+    with k drafts (accepted + 1), each over the start positions whose k-th draft lies inside the response.
     """
     N, L = match.shape
     alpha, tau = [], {}
@@ -376,7 +376,7 @@ def chain_acceptance(match: np.ndarray, mask: np.ndarray, depth: int = 8) -> dic
         valid[:, :L - j] = mask[:, j:] & mask[:, :L - j]
         now = run & ok
         den = np.sum(run & valid)
-        alpha.append(float(np.sum(now & valid) / den) if den else float("nan"))
+        alpha.append(float(np.sum(now & valid) / den) if den else None)  # None: no such start (JSON-safe)
         survive.append(now)
         run = now
     for k in range(1, depth + 1):
@@ -508,7 +508,7 @@ def train(args) -> dict:
             ev = evaluate(params, frozen, config, eval_t, args.eval_batch, args.hard_weight)
             log({"kind": "eval", "step": done, **ev})
             bar.write(f"step {done}: held-out loss {ev['loss']:.3f} agree {ev['agree']:.3f} "
-                      f"alpha {[round(a, 3) for a in ev['alpha'][:5]]}")
+                      f"alpha {[a if a is None else round(a, 3) for a in ev['alpha'][:5]]}")
         mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt": opt_state}),
                   force=done == args.steps)
     bar.close()
