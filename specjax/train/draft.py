@@ -486,7 +486,7 @@ def train(args) -> dict:
     N = train_t["tokens"].shape[0]
     per_epoch = len(make_batches(train_t["length"], args.batch, args.bucket, args.seed, 0))
     bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", disable=not args.progress)
-    ema = None
+    recent: list[tuple[float, float]] = []
     t0 = time.perf_counter()
     for step in range(start, args.steps):
         # Batch order is a pure function of (seed, step), so a resumed run sees the same batches.
@@ -498,12 +498,13 @@ def train(args) -> dict:
         loss, agree = float(m["loss"]), float(m["agree"])
         if not math.isfinite(loss):
             raise DraftError(f"loss became {loss} at step {step + 1}; lower --lr (now {args.lr})")
-        ema = (loss, agree) if ema is None else (0.95 * ema[0] + 0.05 * loss, 0.95 * ema[1] + 0.05 * agree)
         done = step + 1
         log({"kind": "train", "step": done, "loss": loss, "agree": agree, "lr": float(schedule(step)),
              "seconds": round(time.perf_counter() - t0, 2)})
         bar.update(1)
-        bar.set_postfix(loss=f"{ema[0]:.3f}", agree=f"{ema[1]:.3f}")
+        recent.append((loss, agree))
+        del recent[:-20]  # the bar shows the mean of the last 20 steps
+        bar.set_postfix(loss=f"{np.mean([r[0] for r in recent]):.3f}", agree=f"{np.mean([r[1] for r in recent]):.3f}")
         if eval_t is not None and (done % args.eval_every == 0 or done == args.steps):
             ev = evaluate(params, frozen, config, eval_t, args.eval_batch, args.hard_weight)
             log({"kind": "eval", "step": done, **ev})
@@ -570,7 +571,7 @@ def plot_curve(history: list[dict], path: str) -> None:
     if ev:
         a1.plot([r["step"] for r in ev], [r["loss"] for r in ev], "o-", label="held-out")
         a2.plot([r["step"] for r in ev], [r["agree"] for r in ev], "o-", label="held-out")
-    a1.set(xlabel="step", ylabel="distillation loss", title="loss")
+    a1.set(xlabel="step", ylabel="distillation loss (log scale)", title="loss", yscale="log")
     a2.set(xlabel="step", ylabel="top-1 agreement with target", title="top-1 agreement")
     for a in (a1, a2):
         a.grid(alpha=0.3)

@@ -311,7 +311,7 @@ def build_prompts() -> list[Prompt]:
         ("list", _rotate(_LIST_T, _LIST_X)),
         ("howto", _rotate(_HOWTO_T, _HOWTO_X)),
         ("code", _rotate(_CODE_T, _CODE_X)),
-        ("code_read", [t.format(x=s) for s in _CODE_SNIPPETS for t in _CODE_SNIPPET_T][::1]),
+        ("code_read", [t.format(x=s) for s in _CODE_SNIPPETS for t in _CODE_SNIPPET_T]),
         ("math", [p.format(a=a, b=b, c=c) for i, p in enumerate(_WORD_PROBLEMS)
                   for a, b, c in (_NUMBERS[i % len(_NUMBERS)], _NUMBERS[(i + 3) % len(_NUMBERS)])]),
         ("summarize", [t.format(x=p) for j, p in enumerate(_PASSAGES)
