@@ -29,6 +29,7 @@ owns the RNG. Arithmetic is float32 whatever the input dtype.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -45,6 +46,8 @@ __all__ = [
     "sample_from",
     "tree_depth",
     "typical_accept",
+    "TypicalMode",
+    "accept",
 ]
 
 MODES = ("deterministic", "iid", "wor")
@@ -352,3 +355,26 @@ def typical_accept(tokens, parents, valid, p, *, posterior_threshold: float = 0.
                                            jnp.asarray(valid, bool), p)
     next_token = sample_from(p_last, jnp.asarray(u_final, _F32))
     return AcceptResult(accepted, jnp.sum(accepted, axis=-1, dtype=jnp.int32), last, next_token)
+
+
+@dataclasses.dataclass(frozen=True)
+class TypicalMode:
+    """Medusa typical acceptance as a drafter `mode` (LOSSY: outputs no longer follow the target's distribution).
+
+    A drafted child x of node i passes if p_i(x) > min(posterior_threshold, posterior_alpha * exp(-H(p_i))); the
+    longest passing path is taken (`typical_accept`). Under greedy decoding it accepts exactly the argmax, like
+    the lossless rule. Hashable, so it rides in the static drafter like the string modes.
+    """
+
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+    lossy: bool = dataclasses.field(default=True, init=False)
+
+
+def accept(tokens, parents, valid, p, q, u_accept, u_final, mode) -> AcceptResult:
+    """The rule a drafter's `mode` names: `accept_tree` for "deterministic" / "iid" / "wor" (lossless),
+    `typical_accept` for a `TypicalMode` (lossy, opt-in). Same arguments as `accept_tree`."""
+    if isinstance(mode, TypicalMode):
+        return typical_accept(tokens, parents, valid, p, posterior_threshold=mode.posterior_threshold,
+                              posterior_alpha=mode.posterior_alpha, u_final=u_final)
+    return accept_tree(tokens, parents, valid, p, q, u_accept, u_final, mode=mode)

@@ -126,6 +126,11 @@ class LLM:
         if len(ids) >= self.max_context:
             raise RequestError(
                 f"prompt {i} has {len(ids)} tokens, more than the context of {self.max_context}; shorten it")
+        if extra and len(ids) + 1 + extra > self.max_context:
+            raise RequestError(
+                f"prompt {i}: {len(ids)} prompt tokens + {extra} speculative slots leave no room for a new token "
+                f"in the context of {self.max_context}; lower num_speculative_tokens (or the tree size) to at most "
+                f"{max(0, self.max_context - len(ids) - 2)}, or raise max_context")
         if need > self.max_context:
             raise RequestError(
                 f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens {sp.max_new_tokens}"

@@ -45,7 +45,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", dest="top_p", type=float)
     p.add_argument("--top-k", dest="top_k", type=int)
     p.add_argument("--seed", type=int)
-    p.add_argument("--method", help="speculative method: ngram, draft_model, suffix (or 'null' for plain)")
+    p.add_argument("--method", help="speculative method: ngram, draft_model, suffix, medusa, eagle, eagle3 (or 'null' for plain)")
     p.add_argument("-k", "--num-speculative-tokens", dest="num_speculative_tokens", type=int)
     p.add_argument("--draft", help="draft model / head path for the speculative method")
     p.add_argument("--backend", choices=["auto", "cpu", "gpu", "tpu", "neuron"])
@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     tn.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 4, 6, 8])
     tn.add_argument("--no-validate", action="store_true", help="skip measuring every gamma")
     tn.add_argument("--json", help="write the full result here")
+    th = sub.add_parser("train-head", help="train a draft model, Medusa heads or an EAGLE/EAGLE-3 head from a YAML "
+                                           "config (e.g. train/eagle3); rerun to resume")
+    th.add_argument("--config", required=True, help="packaged training config (train/draft, train/medusa, train/eagle, "
+                                                    "train/eagle3) or a YAML file")
+    th.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training option, e.g. steps=10")
+    th.add_argument("--dry-run", action="store_true", help="print the trainer command and stop")
     s = sub.add_parser("configs", help="list the packaged configs, or print one resolved config")
     s.add_argument("name", nargs="?")
     s.add_argument("--set", action="append", metavar="KEY=VALUE")
@@ -230,14 +236,27 @@ def user_errors() -> tuple[type[Exception], ...]:
     from specjax.bench import DatasetError
     from specjax.tree import TreeError
 
-    return (DatasetError, ConfigError, ModelLoadError, RequestError, TokenizerError, SpeculativeConfigError, TreeError)
+    from specjax.drafters.eagle import EagleDrafterError
+    from specjax.heads.eagle import HeadConfigError
+    from specjax.heads.medusa import MedusaError
+    from specjax.heads_io import HeadFormatError
+
+    return (DatasetError, ConfigError, ModelLoadError, RequestError, TokenizerError, SpeculativeConfigError, TreeError,
+            EagleDrafterError, HeadConfigError, MedusaError, HeadFormatError)
+
+
+def cmd_train_head(args) -> int:
+    from specjax.train.launch import main as launch
+
+    launch(args.config, args.set or (), dry_run=args.dry_run)
+    return 0
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "tune": cmd_tune, "compare": cmd_compare,
-                "batch": cmd_batch,
+                "batch": cmd_batch, "train-head": cmd_train_head,
                 "configs": cmd_configs}[args.command](args)
     except user_errors() as e:
         print(f"specjax: error: {e}", file=sys.stderr)

@@ -6,6 +6,7 @@ the host steps the same jitted verify+accept function and times drafting and ver
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import engine, spec_engine
+from specjax import acceptance, engine, spec_engine
 from specjax.config import SpeculativeConfig
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
@@ -25,7 +26,8 @@ class SpeculativeConfigError(ValueError):
 
 def build_drafter(llm, spec: SpeculativeConfig):
     """(drafter, dparams) for a config; cached on the LLM so repeated calls reuse weights and compilations."""
-    key = (spec.method, spec.num_speculative_tokens, spec.model, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    # The whole frozen config is the key: any option may shape the drafter (suffix depth, tree choices, ...).
+    key = spec
     if key in llm._drafters:
         return llm._drafters[key]
     g = spec.num_speculative_tokens
@@ -37,12 +39,38 @@ def build_drafter(llm, spec: SpeculativeConfig):
         from specjax.drafters.suffix import SuffixDrafter
 
         built = SuffixDrafter.from_config(spec), {}
+    elif spec.method == "medusa":
+        from specjax.drafters import medusa
+
+        built = medusa.load(spec.model, llm.params, llm.config.hidden_size, llm.config.vocab_size,
+                            num_speculative_tokens=spec.num_speculative_tokens, tree_choices=spec.tree_choices,
+                            acceptance_rule=spec.acceptance,
+                            typical_posterior_threshold=spec.typical_posterior_threshold,
+                            typical_posterior_alpha=spec.typical_posterior_alpha)
+    elif spec.method in ("eagle", "eagle3"):
+        from specjax.drafters.eagle import build_eagle
+
+        built = build_eagle(llm, spec)
     else:
         raise SpeculativeConfigError(
             f"speculative method {spec.method!r} is not available in this build of specjax; "
-            "available: 'ngram', 'draft_model', 'suffix'")
+            "available: 'ngram', 'draft_model', 'suffix', 'medusa', 'eagle', 'eagle3'")
+    built = _with_acceptance(built, spec)
     llm._drafters[key] = built
     return built
+
+
+def _with_acceptance(built, spec: SpeculativeConfig):
+    """Apply `acceptance: typical` (lossy, opt-in) to a drafter whose candidates are deterministic."""
+    drafter, dparams = built
+    if spec.acceptance != "typical" or isinstance(drafter.mode, acceptance.TypicalMode):
+        return built
+    if drafter.mode != "deterministic":
+        raise SpeculativeConfigError(
+            f"acceptance 'typical' needs deterministic drafts (medusa, eagle, eagle3, ngram, suffix); method "
+            f"{spec.method!r} samples its drafts, so use acceptance 'lossless'")
+    mode = acceptance.TypicalMode(spec.typical_posterior_threshold, spec.typical_posterior_alpha)
+    return dataclasses.replace(drafter, mode=mode), dparams
 
 
 def _draft_model(llm, spec: SpeculativeConfig):

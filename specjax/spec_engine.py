@@ -109,12 +109,13 @@ def spec_prefill(params, config: LlamaConfig, dparams, drafter, buckets: Buckets
                      jnp.ones((B,), jnp.float32), zB)
 
 
-def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode: str, state: SpecState, proposal: Proposal,
+def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: SpecState, proposal: Proposal,
                   sampling: SamplingArrays, attention_fn=None,
                   features: tuple = ()) -> tuple[SpecState, acceptance.AcceptResult]:
     """Verify a proposal with one target forward and accept; returns the advanced state. Pure, not jitted.
 
     proposal.tokens [B, N] (root = last_token), parents/valid [B, N], q [B, N, V] or None.
+    mode: the drafter's acceptance mode ("deterministic" / "iid" / "wor", or a lossy `acceptance.TypicalMode`).
     features: target features the drafter reads (stored in state.hidden for the root and accepted nodes).
     """
     dec = state.dec
@@ -133,8 +134,8 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode: str, state:
                   hidden_layers=feature_layers(features))
     p = process_logits(out.logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, N, V]
     u = uniforms(sampling.seed, dec.step, (N + 1,), stream=TARGET_STREAM)
-    result = acceptance.accept_tree(proposal.tokens, proposal.parents, proposal.valid, p, proposal.q,
-                                    u[:, :N], u[:, N], mode=mode)
+    result = acceptance.accept(proposal.tokens, proposal.parents, proposal.valid, p, proposal.q,
+                               u[:, :N], u[:, N], mode)
     running = dec.finish == FINISH_RUNNING
     path = acceptance.accepted_path(result.accepted, depth, D)  # [B, D]
     src = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), path], axis=1)
@@ -254,7 +255,7 @@ def spec_loop(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
 
 @functools.partial(jax.jit, static_argnames=("config", "tree", "mode", "attention_fn", "features"),
                    donate_argnames=("state",))
-def verify_accept_jit(params, config: LlamaConfig, tree: TreeSpec, mode: str, state: SpecState, proposal: Proposal,
+def verify_accept_jit(params, config: LlamaConfig, tree: TreeSpec, mode, state: SpecState, proposal: Proposal,
                       sampling: SamplingArrays, attention_fn=None, features: tuple = ()) -> SpecState:
     """`verify_accept` as a jitted entry point for host-side drafters (suffix decoding) and profiling.
     Jitted; `state` is donated."""

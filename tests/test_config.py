@@ -30,7 +30,9 @@ from specjax.config import (
 )
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
-YAML_FILES = sorted(CONFIG_DIR.rglob("*.yaml"))
+# Run configs; training configs (configs/train/, `specjax train-head`) have their own schema, tested below.
+YAML_FILES = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name != "train")
+TRAIN_YAML_FILES = sorted((CONFIG_DIR / "train").glob("*.yaml"))
 
 
 # ------------------------------------------------------------------------------------------------ shipped YAMLs
@@ -450,3 +452,46 @@ def test_packaged_config_path_resolution(tmp_path):
     assert "did you mean 'methods/ngram'?" in str(err.value) and "methods/eagle3" in str(err.value)
     with pytest.raises(ConfigError, match="no config named"):
         packaged_config_path("../pyproject.toml")
+
+
+# ------------------------------------------------------------------------------------------------ training configs
+
+
+def test_every_training_kind_has_a_config():
+    assert {p.stem for p in TRAIN_YAML_FILES} == {"draft", "medusa", "eagle", "eagle3"}
+
+
+@pytest.mark.parametrize("path", TRAIN_YAML_FILES, ids=lambda p: p.name)
+def test_every_training_yaml_parses_into_its_trainer(path):
+    """Every key of a training YAML is an option of its trainer, and the trainer's own parser accepts the argv."""
+    import importlib
+
+    from specjax.train.launch import main as launch, to_argv
+
+    module_name, argv = to_argv(load_yaml_dict(path)["train"])
+    args = importlib.import_module(module_name).parse_args(argv)
+    assert args.out.startswith("runs/")
+    name = path.relative_to(CONFIG_DIR).with_suffix("").as_posix()
+    command = launch(name, ["steps=7"], dry_run=True)
+    assert command.startswith(f"python -m {module_name} ") and "--steps 7" in command
+
+
+def test_training_yaml_typo_suggests_the_option():
+    from specjax.train.launch import to_argv
+
+    with pytest.raises(ConfigError, match="did you mean 'draft_vocab'"):
+        to_argv({"kind": "eagle3", "data": "x.npz", "out": "o", "draft_vocb": 100})
+    with pytest.raises(ConfigError, match="did you mean 'eagle3'"):
+        to_argv({"kind": "eagle_3", "data": "x.npz", "out": "o"})
+    with pytest.raises(ConfigError, match="true or false"):
+        to_argv({"kind": "medusa", "data": ["x.npz"], "out": "o", "progress": "no"})
+
+
+def test_train_head_cli_prints_the_command(capsys):
+    from specjax.cli import main
+
+    assert main(["train-head", "--config", "train/eagle", "--set", "steps=3", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("python -m specjax.train.heads --kind eagle") and "--steps 3" in out
+    assert main(["train-head", "--config", "train/eagel"]) == 2
+    assert "did you mean 'train/eagle'" in capsys.readouterr().err

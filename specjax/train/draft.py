@@ -589,7 +589,8 @@ def _layers_arg(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"--init-layers wants comma-separated integers like 0,29, got {text!r}") from None
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line options (also read by `specjax train-head` to check YAML keys)."""
     ap = argparse.ArgumentParser(prog="python -m specjax.train.draft",
                                  description="Distil a small draft model from the target; rerun to resume.")
     ap.add_argument("--data", required=True, help=".npz from `python -m specjax.train.data`")
@@ -612,6 +613,11 @@ def parse_args(argv=None):
     ap.add_argument("--eval-batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", dest="progress", action="store_false")
+    return ap
+
+
+def parse_args(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     if min(args.steps, args.batch, args.bucket, args.checkpoint_every, args.eval_every) < 1:
         ap.error("--steps, --batch, --bucket, --checkpoint-every and --eval-every must be >= 1")

@@ -1,0 +1,612 @@
+"""Train EAGLE heads (EAGLE-1/2 and EAGLE-3) on self-distillation data, in JAX.
+
+Data: the `.npz` of `specjax.train.data` (the target's own answers to the project's prompts, with its top-k
+log-probabilities at every response step). The target's features for every position come from ONE prefill-style
+forward per batch of sequences (`specjax.models.llama.forward` with `hidden_layers`), computed once and kept in a
+cache file (float16) that both head kinds share: the final hidden state (EAGLE-1/2) and three layer outputs
+(EAGLE-3).
+
+Loss, at every unroll step j (the head run on its own outputs, see `specjax.heads.eagle.unrolled_hidden`; step
+j's weight is step_decay^j), on response positions only:
+  eagle   reg_weight * smooth-L1(predicted feature, target feature) + ce_weight * soft cross-entropy against
+          the target's top-k distribution; the head's log-softmax is taken over a `loss_vocab` subset of the
+          vocabulary (the most frequent target tokens) to keep the 49k-wide LM head affordable on CPU.
+  eagle3  soft cross-entropy against the target's top-k distribution restricted to the draft vocabulary
+          ("training-time test": unroll >= 3).
+Metrics: per unroll step top-1 agreement with the target's greedy token; on the held-out split also the chain
+acceptance alpha_j = P(step j right | steps < j right), which on greedy text is exactly what a top-1 chain
+would get accepted (full vocabulary for EAGLE-1/2).
+
+Run: `python -m specjax.train.heads --kind eagle|eagle3 --data FILE --out DIR` (see --help). Orbax checkpoints
+every N steps; rerunning the same command resumes. The head is exported (bf16, in the EAGLE or EAGLE-3 release
+format, see `specjax.heads_io`) to OUT/head with training curves as PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.heads.eagle import HeadConfig, default_eagle3_layers, head_config, head_logits, init_from_target, \
+    unrolled_hidden
+from specjax.kv_cache import init_cache
+from specjax.models.llama import LlamaConfig, forward
+
+
+class HeadTrainError(ValueError):
+    """A head training run cannot start or continue as asked; the message says how to fix it."""
+
+
+# ============================================================================================ features
+@functools.partial(jax.jit, static_argnames=("config", "layers"))
+def _features_batch(params, config: LlamaConfig, tokens, layers: tuple):
+    """tokens [B, T] -> (final hidden [B, T, H], layer outputs [B, T, len(layers) * H]), one causal forward."""
+    B, T = tokens.shape
+    cache = init_cache(config.num_layers, B, T, config.num_kv_heads, config.head_dim, params["embed"].dtype)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+    out = forward(params, config, tokens, pos, cache, hidden_layers=layers, compute_logits=False)
+    lay = jnp.concatenate(list(out.layer_hidden), axis=-1)
+    return out.hidden.astype(jnp.float16), lay.astype(jnp.float16)
+
+
+def compute_features(params: dict, config: LlamaConfig, tokens: np.ndarray, length: np.ndarray, layers: tuple,
+                     batch: int = 8, bucket: int = 64, progress: bool = True) -> dict[str, np.ndarray]:
+    """Target features of every sequence: {"final" [N, L, H], "layers" [N, L, 3H]} float16 (zero past length).
+
+    Sequences are grouped by length rounded up to `bucket`, so each group is one compiled shape."""
+    N, L = tokens.shape
+    H = config.hidden_size
+    final = np.zeros((N, L, H), np.float16)
+    lay = np.zeros((N, L, len(layers) * H), np.float16)
+    padded = np.minimum(-(-length // bucket) * bucket, L)
+    groups = [(size, np.flatnonzero(padded == size)) for size in np.unique(padded)]
+    todo = [(size, rows[s:s + batch]) for size, rows in groups for s in range(0, rows.size, batch)]
+    bar = _tqdm(todo, progress, desc="features", unit="batch")
+    for size, rows in bar:
+        idx = np.resize(rows, batch)  # fixed batch shape; repeated rows are dropped below
+        f, h = jax.device_get(_features_batch(params, config, jnp.asarray(tokens[idx, :size]), layers))
+        if not (np.isfinite(f).all() and np.isfinite(h).all()):
+            raise HeadTrainError("target features overflow float16; this target's activations are too large for "
+                                 "the feature cache")
+        final[rows, :size] = f[:rows.size]
+        lay[rows, :size] = h[:rows.size]
+    for n in range(N):  # positions past the end hold padding features: zero them for a clean cache
+        final[n, length[n]:] = 0
+        lay[n, length[n]:] = 0
+    return {"final": final, "layers": lay}
+
+
+def load_or_compute_features(path: str, data_path: str, target_spec: str, params: dict, config: LlamaConfig,
+                             arrays: dict, layers: tuple, progress: bool, max_len: int = 0) -> dict[str, np.ndarray]:
+    """The feature cache at `path` if it was made from the same data, target, layers and truncation; else
+    compute and save it."""
+    key = json.dumps({"data": os.path.abspath(data_path), "data_bytes": os.path.getsize(data_path),
+                      "target": target_spec, "layers": list(layers), "max_len": max_len}, sort_keys=True)
+    if os.path.isfile(path):
+        with np.load(path, allow_pickle=False) as f:
+            if str(f["key"]) == key:
+                return {"final": f["final"], "layers": f["layers"]}
+    feats = compute_features(params, config, arrays["tokens"], arrays["length"], layers, progress=progress)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, key=np.asarray(key), **feats)
+    os.replace(tmp, path)
+    return feats
+
+
+def truncate(arrays: dict, max_len: int) -> dict:
+    """Sequences cut to their first `max_len` tokens (the response steps past the cut are dropped)."""
+    out = dict(arrays)
+    out["tokens"] = arrays["tokens"][:, :max_len]
+    out["length"] = np.minimum(arrays["length"], max_len).astype(arrays["length"].dtype)
+    keep = arrays["prompt_len"] < out["length"]  # a prompt that fills the window leaves nothing to learn
+    if not keep.all():
+        out = {k: (v[keep] if isinstance(v, np.ndarray) and v.ndim and v.shape[0] == keep.size else v)
+               for k, v in out.items()}
+    return out
+
+
+# ============================================================================================ targets
+def position_targets(arrays: dict, vocab_size: int, out_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Per-position soft targets: entry p is the target's distribution of token p + 1 (response positions only).
+
+    out_ids: the head's output vocabulary as target ids [Vo] (None = the full vocabulary). Returns
+    soft_idx [N, L, K] int32 (head-vocabulary index of each top-k entry, 0 where absent), soft_p [N, L, K]
+    float32 (renormalised over the entries inside the head vocabulary), greedy [N, L] int32 (head index of the
+    target's greedy token, -1 outside the head vocabulary), mask [N, L] bool (a target exists).
+    """
+    N, L = arrays["tokens"].shape
+    ids, logp = arrays["topk_ids"], arrays["topk_logp"].astype(np.float32)
+    R, K = ids.shape[1:]
+    plen = arrays["prompt_len"].astype(np.int64)
+    nresp = (arrays["length"] - arrays["prompt_len"]).astype(np.int64)
+    p = np.arange(L)[None, :]
+    step = p - (plen[:, None] - 1)  # response step predicted at position p
+    mask = (step >= 0) & (step < nresp[:, None])
+    st = np.clip(step, 0, R - 1)
+    rows = np.arange(N)[:, None]
+    tid = ids[rows, st]  # [N, L, K]
+    prob = np.exp(logp[rows, st]) * mask[..., None]
+    if out_ids is None:
+        idx = tid
+    else:
+        t2o = np.full(vocab_size, -1, np.int64)
+        t2o[out_ids] = np.arange(out_ids.size)
+        idx = t2o[tid]
+        prob = prob * (idx >= 0)
+    prob = prob / np.maximum(prob.sum(-1, keepdims=True), 1e-30)
+    greedy = np.where(mask, idx[..., 0], -1)
+    return {"soft_idx": np.maximum(idx, 0).astype(np.int32), "soft_p": prob.astype(np.float32),
+            "greedy": greedy.astype(np.int32), "mask": mask}
+
+
+# ============================================================================================ loss
+def _shift(a: jax.Array, by: int, fill=0) -> jax.Array:
+    """a[:, t + by] at row t along axis 1, `fill` past the end."""
+    pad = jnp.full((a.shape[0], by) + a.shape[2:], fill, a.dtype)
+    return jnp.concatenate([a[:, by:], pad], axis=1)
+
+
+def step_losses(train: dict, frozen: dict, cfg: HeadConfig, batch: dict, unroll: int, ce_weight: float,
+                reg_weight: float):
+    """Per unroll step (loss [U], ce [U], reg [U], top1 [U], count [U]) summed over the batch's positions.
+
+    batch: tokens [B, T], feats [B, T, F], soft_idx/soft_p [B, T, K], greedy [B, T], mask [B, T], and for eagle
+    final [B, T, H] (the regression targets). frozen: embed [V, H] and the LM head the logits use (eagle: the
+    target's, restricted to the loss vocabulary as "lm_head" [H, Vo]; eagle3: unused).
+    """
+    hs = unrolled_hidden(train, cfg, frozen["embed"], batch["tokens"], batch["feats"].astype(jnp.float32), unroll)
+    out = {k: [] for k in ("loss", "ce", "reg", "top1", "count")}
+    for j in range(unroll):
+        h = hs[j]
+        m = _shift(batch["mask"], 1 + j, False)
+        mf = m.astype(jnp.float32)
+        logits = head_logits(train, cfg, frozen, h)
+        logq = jax.nn.log_softmax(logits, axis=-1)
+        sidx = _shift(batch["soft_idx"], 1 + j)
+        sp = _shift(batch["soft_p"], 1 + j)
+        ce = -jnp.sum(sp * jnp.take_along_axis(logq, sidx, axis=-1), axis=-1)
+        g = _shift(batch["greedy"], 1 + j, -1)
+        top1 = (jnp.argmax(logits, axis=-1) == g) & m
+        loss = ce
+        reg = jnp.zeros_like(ce)
+        if cfg.kind == "eagle":
+            d = h - _shift(batch["final"], 1 + j).astype(jnp.float32)
+            ad = jnp.abs(d)
+            reg = jnp.mean(jnp.where(ad < 1.0, 0.5 * d * d, ad - 0.5), axis=-1)
+            loss = reg_weight * reg + ce_weight * ce
+        out["loss"].append(jnp.sum(loss * mf))
+        out["ce"].append(jnp.sum(ce * mf))
+        out["reg"].append(jnp.sum(reg * mf))
+        out["top1"].append(jnp.sum(top1))
+        out["count"].append(jnp.sum(mf))
+    return {k: jnp.stack(v) for k, v in out.items()}
+
+
+def total_loss(train, frozen, cfg, batch, unroll, ce_weight, reg_weight, step_decay):
+    s = step_losses(train, frozen, cfg, batch, unroll, ce_weight, reg_weight)
+    w = jnp.asarray([step_decay ** j for j in range(unroll)], jnp.float32)
+    per_step = s["loss"] / jnp.maximum(s["count"], 1.0)
+    return jnp.sum(w * per_step) / jnp.sum(w), s
+
+
+def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
+    import optax
+
+    warmup = max(1, min(warmup, steps - 1)) if steps > 1 else 1
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.05)
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay)), schedule
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "optimizer", "unroll", "ce_weight", "reg_weight", "step_decay"),
+                   donate_argnums=(0, 1))
+def train_step(train, opt_state, frozen, batch, *, cfg: HeadConfig, optimizer, unroll: int, ce_weight: float,
+               reg_weight: float, step_decay: float):
+    """One AdamW step; train params and optimizer state are donated."""
+    import optax
+
+    grads, stats = jax.grad(total_loss, has_aux=True)(train, frozen, cfg, batch, unroll, ce_weight, reg_weight,
+                                                      step_decay)
+    updates, opt_state = optimizer.update(grads, opt_state, train)
+    return optax.apply_updates(train, updates), opt_state, stats
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "unroll"))
+def eval_matches(train, frozen, cfg: HeadConfig, batch, unroll: int):
+    """(match [U, B, T] bool: step j at row t agrees with the target's greedy token, valid [U, B, T], ce [U])."""
+    hs = unrolled_hidden(train, cfg, frozen["embed"], batch["tokens"], batch["feats"].astype(jnp.float32), unroll)
+    matches, valids, ces = [], [], []
+    for j in range(unroll):
+        logits = head_logits(train, cfg, frozen, hs[j])
+        m = _shift(batch["mask"], 1 + j, False)
+        g = _shift(batch["greedy"], 1 + j, -1)
+        logq = jax.nn.log_softmax(logits, axis=-1)
+        ce = -jnp.sum(_shift(batch["soft_p"], 1 + j) * jnp.take_along_axis(logq, _shift(batch["soft_idx"], 1 + j),
+                                                                           axis=-1), axis=-1)
+        matches.append((jnp.argmax(logits, axis=-1) == g) & m)
+        valids.append(m)
+        ces.append(jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1))
+    return jnp.stack(matches), jnp.stack(valids), jnp.stack(ces)
+
+
+def chain_stats(match: np.ndarray, valid: np.ndarray) -> dict:
+    """match/valid [U, N, T] -> per-step top-1, conditional chain acceptance alpha_j and the expected tokens
+    per step tau of a top-1 chain of U drafts (over the rows where all U targets exist)."""
+    U = match.shape[0]
+    top1 = [float(match[j].sum() / max(valid[j].sum(), 1)) for j in range(U)]
+    run = np.ones(match.shape[1:], bool)
+    alpha, runs = [], []
+    full = valid.all(axis=0)
+    for j in range(U):
+        now = run & match[j]
+        den = (run & full).sum()
+        alpha.append(float((now & full).sum() / den) if den else float("nan"))
+        runs.append(now)
+        run = now
+    tau = 1.0 + sum(float((r & full).sum()) for r in runs) / max(int(full.sum()), 1)
+    return {"top1": top1, "alpha": alpha, "tau_chain": tau}
+
+
+# ============================================================================================ batches
+def make_batches(length: np.ndarray, batch: int, bucket: int, seed: int, epoch: int, width: int):
+    """One epoch of (row indices [batch], padded length): rows grouped by length rounded up to `bucket`, a pure
+    function of (seed, epoch) so a resumed run sees the same batches."""
+    rng = np.random.default_rng([seed, epoch])
+    padded = np.minimum(-(-length // bucket) * bucket, width)
+    out = []
+    for size in np.unique(padded):
+        members = rng.permutation(np.flatnonzero(padded == size))
+        for s in range(0, members.size, batch):
+            out.append((members[np.arange(s, s + batch) % members.size], int(size)))
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def host_batch(arrays: dict, feats: dict, targets: dict, rows: np.ndarray, size: int, kind: str) -> dict:
+    b = {"tokens": arrays["tokens"][rows, :size].astype(np.int32),
+         "feats": (feats["final"] if kind == "eagle" else feats["layers"])[rows, :size],
+         "soft_idx": targets["soft_idx"][rows, :size], "soft_p": targets["soft_p"][rows, :size],
+         "greedy": targets["greedy"][rows, :size], "mask": targets["mask"][rows, :size]}
+    if kind == "eagle":
+        b["final"] = feats["final"][rows, :size]
+    return {k: jnp.asarray(v) for k, v in b.items()}
+
+
+def evaluate(train, frozen_eval, cfg, arrays, feats, targets, rows, unroll, batch, bucket) -> dict:
+    """Held-out per-step top-1, chain acceptance and cross-entropy (in the frozen_eval head vocabulary)."""
+    N, L = arrays["tokens"].shape
+    match = np.zeros((unroll, rows.size, L), bool)
+    valid = np.zeros((unroll, rows.size, L), bool)
+    ces, weights = [], []
+    order = {r: i for i, r in enumerate(rows)}
+    for idx, size in make_batches(arrays["length"][rows], batch, bucket, 0, 0, L):
+        sel = rows[idx]
+        m, v, ce = jax.device_get(eval_matches(train, frozen_eval, cfg,
+                                               host_batch(arrays, feats, targets, sel, size, cfg.kind), unroll))
+        for k, r in enumerate(sel):
+            match[:, order[r], :size] = m[:, k]
+            valid[:, order[r], :size] = v[:, k]
+        ces.append(ce)
+        weights.append(v.sum(axis=(1, 2)))
+    w = np.asarray(weights, np.float64)
+    ce = (np.asarray(ces) * w).sum(0) / np.maximum(w.sum(0), 1)
+    return {**chain_stats(match, valid), "ce": [float(c) for c in ce], "positions": int(valid[0].sum())}
+
+
+# ============================================================================================ run
+_RUN_KEYS = ("kind", "data", "target", "steps", "batch", "bucket", "lr", "warmup", "weight_decay", "clip", "unroll",
+             "init_layer", "draft_vocab", "loss_vocab", "feature_layers", "ce_weight", "reg_weight", "step_decay",
+             "seed", "max_len")
+
+
+def _checkpoint_manager(out: str, every: int):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")), options=options)
+
+
+def train(args) -> dict:
+    """The training run described by the parsed arguments (see `parse_args`). Returns the final summary."""
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    from specjax.heads_io import save_head
+    from specjax.models.loading import load_model
+    from specjax.train.data import load_dataset
+    from specjax.train.draft import select_draft_vocab
+
+    os.makedirs(args.out, exist_ok=True)
+    run = {k: getattr(args, k) for k in _RUN_KEYS}
+    run["data"] = os.path.abspath(run["data"])
+    run["feature_layers"] = list(run["feature_layers"] or ())
+    run_path = os.path.join(args.out, "run.json")
+    if os.path.exists(run_path):
+        with open(run_path) as f:
+            old = json.load(f)
+        diff = {k: (old.get(k), run[k]) for k in _RUN_KEYS if old.get(k) != run[k]}
+        if diff:
+            raise HeadTrainError(f"{args.out} holds a run with other settings {diff} (old, new); resume with the "
+                                 "same arguments or pick a new --out")
+    with open(run_path, "w") as f:
+        json.dump(run, f, indent=2)
+
+    t_start = time.perf_counter()
+    arrays, meta = load_dataset(args.data)
+    if args.max_len:
+        arrays = truncate(arrays, args.max_len)
+    target = load_model(args.target, "float32", with_tokenizer=False)
+    tcfg, tparams = target.config, target.params
+    V = tcfg.vocab_size
+    layers = tuple(args.feature_layers or default_eagle3_layers(tcfg.num_layers))
+    train_rows = np.flatnonzero(~arrays["heldout"])
+    eval_rows = np.flatnonzero(arrays["heldout"] & (arrays["temperature"] == 0))
+    if train_rows.size == 0:
+        raise HeadTrainError(f"{args.data}: no training sequences (every row is held out)")
+    always = sorted({0, 1, 2, *meta.get("stop_token_ids", [])})
+    vocab_path = os.path.join(args.out, "vocab.npy")
+    if os.path.exists(vocab_path):
+        vocab = np.load(vocab_path, allow_pickle=False)
+    else:
+        size = args.draft_vocab if args.kind == "eagle3" else (args.loss_vocab or V)
+        vocab = select_draft_vocab(arrays, min(size, V), V, always=always, rows=train_rows)
+        np.save(vocab_path, vocab)
+    cache_path = args.features_cache or os.path.join(args.out, "features.npz")
+    feats = load_or_compute_features(cache_path, args.data, args.target, tparams, tcfg, arrays, layers, args.progress,
+                                     args.max_len)
+    t_feats = time.perf_counter() - t_start
+    if args.features_only:
+        return {"features": cache_path, "seconds": round(t_feats, 1), "positions": int(arrays["length"].sum())}
+
+    cfg = head_config(tcfg, args.kind, draft_vocab_size=vocab.size if args.kind == "eagle3" else 0,
+                      feature_layers=layers if args.kind == "eagle3" else None)
+    init = init_from_target(cfg, tparams, args.init_layer, draft_ids=vocab if args.kind == "eagle3" else None)
+    draft_ids = init.pop("draft_ids", None)
+    params = init
+    embed = tparams["embed"]
+    full_head = tparams["lm_head"] if "lm_head" in tparams else embed.T
+    if args.kind == "eagle":
+        # Training reads the LM head columns of the loss vocabulary only; evaluation reads all of them.
+        frozen = {"embed": embed, "lm_head": jnp.take(full_head, jnp.asarray(vocab), axis=1)}
+        frozen_eval = {"embed": embed, "lm_head": full_head}
+        targets = position_targets(arrays, V, None if vocab.size == V else vocab)
+        targets_eval = position_targets(arrays, V, None)
+    else:
+        frozen = frozen_eval = {"embed": embed}
+        targets = targets_eval = position_targets(arrays, V, vocab)
+    del target
+
+    optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
+    opt_state = optimizer.init(params)
+    mngr = _checkpoint_manager(args.out, args.checkpoint_every)
+    start = 0
+    if mngr.latest_step() is not None:
+        start = mngr.latest_step()
+        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt": opt_state})
+        restored = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
+        params, opt_state = restored["params"], restored["opt"]
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    history = _read_metrics(metrics_path, start)
+
+    def log(rec):
+        history.append(rec)
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def run_eval(step, final=False):
+        # EAGLE-1/2: intermediate evaluations read the loss vocabulary's LM head columns (cheap), the final one
+        # the full LM head, as at inference.
+        if eval_rows.size == 0:
+            return None
+        fz, tg = (frozen_eval, targets_eval) if final else (frozen, targets)
+        ev = evaluate(params, fz, cfg, arrays, feats, tg, eval_rows, args.eval_unroll, args.eval_batch, args.bucket)
+        log({"kind": "eval", "step": step, "vocab": "full" if final or fz is frozen_eval else "loss", **ev})
+        return ev
+
+    if start == 0 and not any(r.get("kind") == "eval" for r in history):
+        run_eval(0)
+    L = arrays["tokens"].shape[1]
+    per_epoch = len(make_batches(arrays["length"][train_rows], args.batch, args.bucket, args.seed, 0, L))
+    bar = tqdm(total=args.steps, initial=start, desc=f"train {args.kind}", unit="step", disable=not args.progress)
+    ema = None
+    t0 = time.perf_counter()
+    kw = dict(cfg=cfg, optimizer=optimizer, unroll=args.unroll, ce_weight=args.ce_weight, reg_weight=args.reg_weight,
+              step_decay=args.step_decay)
+    for step in range(start, args.steps):
+        epoch, k = divmod(step, per_epoch)
+        idx, size = make_batches(arrays["length"][train_rows], args.batch, args.bucket, args.seed, epoch, L)[k]
+        batch = host_batch(arrays, feats, targets, train_rows[idx], size, args.kind)
+        params, opt_state, s = train_step(params, opt_state, frozen, batch, **kw)
+        s = jax.device_get(s)
+        cnt = np.maximum(s["count"], 1)
+        loss = float(np.sum(s["loss"]) / np.sum(cnt))
+        if not math.isfinite(loss):
+            raise HeadTrainError(f"loss became {loss} at step {step + 1}; lower --lr (now {args.lr})")
+        top1 = (s["top1"] / cnt).tolist()
+        rec = {"kind": "train", "step": step + 1, "loss": loss, "ce": (s["ce"] / cnt).tolist(),
+               "reg": (s["reg"] / cnt).tolist(), "top1": top1, "lr": float(schedule(step)),
+               "seconds": round(time.perf_counter() - t0, 2)}
+        log(rec)
+        ema = (loss, top1) if ema is None else (0.95 * ema[0] + 0.05 * loss,
+                                               [0.95 * a + 0.05 * b for a, b in zip(ema[1], top1)])
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema[0]:.3f}", top1="/".join(f"{a:.2f}" for a in ema[1]))
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.steps:
+            ev = run_eval(done, final=done == args.steps)
+            if ev is not None:
+                bar.write(f"step {done}: held-out top1 {[round(a, 3) for a in ev['top1']]} "
+                          f"alpha {[round(a, 3) for a in ev['alpha']]} tau(chain) {ev['tau_chain']:.2f}")
+        mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt": opt_state}), force=done == args.steps)
+    bar.close()
+    mngr.wait_until_finished()
+
+    if start == args.steps and not any(r.get("kind") == "eval" and r["step"] == args.steps for r in history):
+        run_eval(args.steps, final=True)
+    final_eval = next((r for r in reversed(history) if r.get("kind") == "eval"), None)
+    trains = [r for r in history if r.get("kind") == "train"]
+    last = trains[-50:]
+    summary = {
+        "kind": args.kind, "steps": args.steps, "train_sequences": int(train_rows.size),
+        "heldout_sequences": int(eval_rows.size), "vocab": int(vocab.size), "feature_layers": list(layers),
+        "final_train_loss": float(np.mean([r["loss"] for r in last])) if last else None,
+        "final_train_top1": np.mean([r["top1"] for r in last], axis=0).tolist() if last else None,
+        "train_seconds": round(trains[-1]["seconds"], 1) if trains else 0.0,
+        "feature_seconds_this_run": round(t_feats, 1), "heldout": final_eval,
+    }
+    export = args.export or os.path.join(args.out, "head")
+    if draft_ids is not None:
+        params = dict(params, draft_ids=draft_ids)
+    meta_out = {"target": args.target, "steps": args.steps, "unroll": args.unroll,
+                "heldout_top1": final_eval["top1"] if final_eval else None,
+                "heldout_alpha": final_eval["alpha"] if final_eval else None}
+    save_head(export, cfg, jax.device_get(params), meta=meta_out)
+    plot_curves(history, os.path.join(export, "training_curve.png"), args.kind)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def _read_metrics(path: str, upto: int) -> list[dict]:
+    """Metrics logged up to step `upto` (a resumed run drops what was logged after its checkpoint)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    recs = [r for r in recs if r["step"] <= upto]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    return recs
+
+
+def plot_curves(history: list[dict], path: str, kind: str) -> None:
+    """Loss and top-1 agreement per unroll step (train smoothed, held-out points) to a PNG."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed (pip install 'specjax[plots]'): no training curves at {path}")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tr = [r for r in history if r.get("kind") == "train"]
+    ev = [r for r in history if r.get("kind") == "eval"]
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4.2))
+    smooth = lambda x, w: np.convolve(x, np.ones(w) / w, mode="valid")
+    if tr:
+        steps = np.asarray([r["step"] for r in tr])
+        w = max(1, len(tr) // 40)
+        a1.plot(steps[w - 1:], smooth(np.asarray([r["loss"] for r in tr]), w), label="train loss (smoothed)")
+        ce = np.asarray([r["ce"] for r in tr])
+        for j in range(ce.shape[1]):
+            a1.plot(steps[w - 1:], smooth(ce[:, j], w), lw=0.8, label=f"train CE step {j}")
+        t1 = np.asarray([r["top1"] for r in tr])
+        for j in range(t1.shape[1]):
+            a2.plot(steps[w - 1:], smooth(t1[:, j], w), label=f"step {j}")
+    if ev:
+        es = [r["step"] for r in ev]
+        t1 = np.asarray([r["top1"] for r in ev])
+        al = np.asarray([r["alpha"] for r in ev])
+        for j in range(t1.shape[1]):
+            a3.plot(es, t1[:, j], "o-", label=f"top-1 step {j}")
+            a3.plot(es, al[:, j], "x--", lw=0.8, label=f"alpha step {j}")
+    a1.set(xlabel="step", ylabel="loss", title=f"{kind}: training loss")
+    a2.set(xlabel="step", ylabel="top-1 agreement", title="train top-1 per unroll step")
+    a3.set(xlabel="step", ylabel="rate", title="held-out top-1 and chain acceptance per step")
+    for a in (a1, a2, a3):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _tqdm(it, enabled: bool, **kw):
+    if not enabled:
+        return it
+    from tqdm import tqdm
+
+    return tqdm(it, **kw)
+
+
+def _layers_arg(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--feature-layers wants three comma-separated integers like 1,14,26, "
+                                         f"got {text!r}") from None
+    if len(out) != 3:
+        raise argparse.ArgumentTypeError(f"--feature-layers wants three layers (low, mid, high), got {text!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line options (also read by `specjax train-head` to check YAML keys)."""
+    ap = argparse.ArgumentParser(prog="python -m specjax.train.heads",
+                                 description="Train an EAGLE-1/2 or EAGLE-3 head on self-distillation data; rerun "
+                                             "the same command to resume.")
+    ap.add_argument("--kind", choices=("eagle", "eagle3"), required=True)
+    ap.add_argument("--data", required=True, help=".npz from `python -m specjax.train.data`")
+    ap.add_argument("--out", required=True, help="run directory (checkpoints, metrics, exported head)")
+    ap.add_argument("--export", default=None, help="where to write the head (default OUT/head)")
+    ap.add_argument("--features-cache", default=None,
+                    help="target feature cache (.npz), shareable between runs on the same data (default OUT/features.npz)")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--max-len", type=int, default=0, help="use only the first N tokens of each sequence (0 = all)")
+    ap.add_argument("--features-only", action="store_true",
+                    help="compute (or check) the feature cache and stop; run it once before parallel trainings")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--bucket", type=int, default=64, help="sequence lengths are padded to a multiple of this")
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--unroll", type=int, default=None,
+                    help="unroll steps in training (default 2 for eagle, 4 for eagle3: training-time test)")
+    ap.add_argument("--eval-unroll", type=int, default=5, help="unroll steps measured on the held-out split")
+    ap.add_argument("--init-layer", type=int, default=-1, help="target layer the head's decoder layer starts from")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: draft vocabulary size")
+    ap.add_argument("--loss-vocab", type=int, default=8192,
+                    help="eagle: tokens the training cross-entropy normalises over (0 = the full vocabulary)")
+    ap.add_argument("--feature-layers", type=_layers_arg, default=None,
+                    help="eagle3: target layers (outputs) fused as low,mid,high (default: the EAGLE-3 choice)")
+    ap.add_argument("--ce-weight", type=float, default=None, help="cross-entropy weight (default 0.1 eagle, 1 eagle3)")
+    ap.add_argument("--reg-weight", type=float, default=1.0, help="eagle: feature regression weight")
+    ap.add_argument("--step-decay", type=float, default=0.8, help="weight of unroll step j is step_decay**j")
+    ap.add_argument("--checkpoint-every", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-batch", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    return ap
+
+
+def parse_args(argv=None):
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.unroll is None:
+        args.unroll = 2 if args.kind == "eagle" else 4
+    if args.ce_weight is None:
+        args.ce_weight = 0.1 if args.kind == "eagle" else 1.0
+    if min(args.steps, args.batch, args.bucket, args.checkpoint_every, args.eval_every, args.unroll,
+           args.eval_unroll) < 1:
+        ap.error("--steps, --batch, --bucket, --checkpoint-every, --eval-every, --unroll and --eval-unroll must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    summary = train(parse_args(argv))
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
