@@ -2,8 +2,9 @@
 
 SmolLM2-135M-Instruct (float32) on 40 Spec-Bench prompts (first turn, chat template; the first three of every
 category, then a fourth in category order), 128 new tokens, at batch 1 and batch 4 (10 batches of 4, prompts
-grouped by length), for every drafter: n-gram (gamma 4), suffix decoding (8 nodes, host-side trees), and a
-draft model (the target's own GGUF file loaded as the draft; the shipped draft in specjax/assets when present).
+grouped by length), for every drafter: n-gram (gamma 4), suffix decoding (8 nodes, host-side trees), a
+draft model (the target's own GGUF file loaded as the draft; the shipped draft in specjax/assets), and the tree
+methods with the heads shipped in specjax/assets and the trees of configs/methods/{medusa,eagle,eagle3}.yaml.
 
 Speculation runs without the adaptive back-off, so every step verifies a proposal. The engine entry points are
 called directly with two shape buckets per batch size (prompts padded to 128 or 1024 tokens, KV caches of 384
@@ -36,7 +37,7 @@ MAX_NEW = 128
 N_PROMPTS = int(os.environ.get("SPECJAX_EXACT_PROMPTS", "40"))
 TIE_GAP = 1e-4
 WIDTHS = (128, 1024)  # prompt buckets; the KV capacity of each is the next multiple of 128 that fits
-MAX_NODES = 16  # verify slots reserved beyond prompt + MAX_NEW (every drafter here uses at most 9)
+MAX_NODES = 33  # verify slots reserved beyond prompt + MAX_NEW (EAGLE's default tree: 32 drafted + the root)
 SHIPPED_DRAFT = "assets/smollm2-135m-draft"
 _T0 = time.perf_counter()
 
@@ -62,7 +63,19 @@ def speculative_config(method: str) -> SpeculativeConfig | None:
         path = shipped_draft_path()
         return None if path is None else SpeculativeConfig(method="draft_model", model=path,
                                                             num_speculative_tokens=4)
+    if method in ("medusa", "eagle", "eagle3"):
+        # the heads shipped for SmolLM2 with the trees of configs/methods/<method>.yaml
+        return shipped_heads_config(method)
     raise AssertionError(method)
+
+
+def shipped_heads_config(method: str) -> SpeculativeConfig | None:
+    import specjax
+    from specjax.config import load_run_config
+
+    spec = load_run_config(f"methods/{method}").speculative
+    path = os.path.join(os.path.dirname(os.path.abspath(specjax.__file__)), spec.model)
+    return spec if os.path.isfile(os.path.join(path, "config.json")) else None
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +184,10 @@ def explain(llm, prompts, i: int, ref, got) -> tuple[bool, str]:
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_self", "draft_shipped"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_self", "draft_shipped", "medusa", "eagle", "eagle3"])
 def test_greedy_speculative_equals_plain(llm, prompts, plain, method, batch):
     if speculative_config(method) is None:
-        pytest.skip(f"no shipped draft at specjax/{SHIPPED_DRAFT} yet")
+        pytest.skip(f"no shipped draft or head for {method} in specjax/assets")
     ref = plain(batch)
     t = time.perf_counter()
     got, stats = decode_all(llm, prompts, batch, method)

@@ -1,0 +1,597 @@
+"""EAGLE heads: drafter, dynamic trees, file formats, training (tiny random models) and the shipped heads (slow).
+
+* Greedy exactness: speculative output through spec_prefill/spec_loop equals plain greedy output (dynamic tree
+  and top-1 chain, EAGLE-1/2 and EAGLE-3). A "perfect" EAGLE head (the target has no attention output, so its
+  next-token choice depends on the current token only, and the head copies the target's layers) makes every
+  draft along the top-1 path right: each verify step must then accept exactly `depth` tokens, which exercises
+  the full-acceptance bookkeeping (count = D + 1 committed pairs).
+* The drafter's KV-cache path equals a from-scratch computation: after several verify steps every tree
+  candidate's token and cumulative score (and the whole top-1 chain) equal what `unrolled_hidden` (the training
+  path) computes from target features recomputed over the committed history.
+* Dynamic tree invariants: topological order, valid parents, depth <= depth, fixed N, <= top_k children,
+  distinct siblings.
+* Format round trips (EAGLE-1/2, EAGLE-3, speculators) with the exact tensor names, and bad inputs.
+* Training (slow): the loss falls and top-1 rises on a learnable tiny target; rerunning resumes.
+* Shipped heads on SmolLM2-135M (slow): greedy output equals plain on a few Spec-Bench prompts; prints alpha, tau.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from specjax import engine, spec_engine
+from specjax.drafters.eagle import EagleDrafter, EagleDrafterError, load_eagle_drafter
+from specjax.heads.eagle import HeadConfig, head_config, head_logits, init_from_target, unrolled_hidden
+from specjax.heads_io import (HEAD_FORMATS, HeadFormatError, HeadMismatchError, load_head, save_head)
+from specjax.kv_cache import init_cache
+from specjax.models.llama import forward
+
+from conftest import SPEC_BENCH
+from spec_helpers import make_sampling, outputs, run_plain, run_spec, tiny_buckets, tiny_config, tiny_params
+
+V = 64
+BATCH = 2
+MAX_NEW = 20
+LAYERS = 3
+E3_LAYERS = (0, 1, 2)
+VD = 40  # EAGLE-3 draft vocabulary of the tiny heads
+PROMPTS = [[7, 3, 9, 12, 40], [33, 17, 50, 2, 61, 8, 8, 19, 44]]
+TREE = dict(top_k=3, depth=3, total_tokens=8)
+
+
+def buckets_for(drafter):
+    return tiny_buckets(BATCH, prompt_len=16, max_new=MAX_NEW, extra=drafter.tree.num_nodes + 8)
+
+
+def noisy(tree, seed, scale=0.05):
+    """Head params with random perturbations, so a head is not just a copy of target layers."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    out = [a if a.dtype.kind in "iu" else a + scale * jax.random.normal(k, a.shape, a.dtype)
+           for a, k in zip(leaves, keys)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def dparams_for(params, head):
+    d = {"head": head, "embed": params["embed"]}
+    if "lm_head" in params:
+        d["lm_head"] = params["lm_head"]
+    return d
+
+
+@pytest.fixture(scope="module")
+def target():
+    config = tiny_config(V, num_layers=LAYERS)
+    return config, tiny_params(config, seed=0)
+
+
+@pytest.fixture(scope="module")
+def heads(target):
+    """Random-ish EAGLE-1/2 (with fc bias) and EAGLE-3 heads for the random target: {kind: (HeadConfig, params)}."""
+    config, params = target
+    e1 = head_config(config, "eagle")
+    p1 = noisy(init_from_target(e1, params, -1), 1)
+    p1["fc_bias"] = 0.1 * jax.random.normal(jax.random.PRNGKey(5), (config.hidden_size,))
+    e3 = head_config(config, "eagle3", draft_vocab_size=VD, feature_layers=E3_LAYERS)
+    ids = np.sort(np.random.default_rng(0).choice(V, VD, replace=False)).astype(np.int32)
+    p3 = noisy(init_from_target(e3, params, -1, draft_ids=ids), 2)
+    return {"eagle": (e1, p1), "eagle3": (e3, p3)}
+
+
+@pytest.fixture(scope="module")
+def bigram():
+    """A target whose attention outputs are zero (next token = f(current token)) and a 3-layer EAGLE head that
+    reproduces its residual stream exactly: the head's argmax is always the target's greedy token."""
+    config = tiny_config(V, num_layers=LAYERS)
+    params = tiny_params(config, seed=3)
+    for lp in params["layers"]:
+        lp["wo"] = jnp.zeros_like(lp["wo"])
+    # Unit final-norm weights: the norm then only rescales each row, which keeps the argmax. A sharp LM head
+    # makes the top-1 path carry nearly all the score, so the dynamic tree always keeps and expands it.
+    params["final_norm"] = jnp.ones_like(params["final_norm"])
+    params["lm_head"] = params["lm_head"] * 30.0
+    hcfg = head_config(config, "eagle", num_layers=LAYERS)
+    head = {"fc": jnp.concatenate([jnp.eye(config.hidden_size), jnp.zeros((config.hidden_size,) * 2)]),
+            "layers": [dict(lp) for lp in params["layers"]]}
+    del head["layers"][0]["attn_norm"]  # EAGLE's first layer has no input norm; with wo = 0 it never mattered
+    return config, params, hcfg, head
+
+
+def plain_outputs(params, config, drafter):
+    b = buckets_for(drafter)
+    outs, _ = outputs(run_plain(params, config, b, PROMPTS, make_sampling(BATCH, max_new=MAX_NEW)), BATCH)
+    return outs
+
+
+# ============================================================================================ greedy exactness
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("eagle", marks=pytest.mark.slow)])
+def test_dynamic_tree_greedy_matches_plain(target, heads, kind):
+    config, params = target
+    hcfg, hp = heads[kind]
+    drafter = EagleDrafter(hcfg, **TREE)
+    want = plain_outputs(params, config, drafter)
+    st = run_spec(params, config, dparams_for(params, hp), drafter, buckets_for(drafter), PROMPTS,
+                  make_sampling(BATCH, max_new=MAX_NEW))
+    got, _ = outputs(st.dec, BATCH)
+    assert got == want
+    assert int(np.sum(st.stats.verify_steps)) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_chain_greedy_matches_plain(target, heads, kind):
+    config, params = target
+    hcfg, hp = heads[kind]
+    drafter = EagleDrafter.chain_of(hcfg, 4)
+    want = plain_outputs(params, config, drafter)
+    st = run_spec(params, config, dparams_for(params, hp), drafter, buckets_for(drafter), PROMPTS,
+                  make_sampling(BATCH, max_new=MAX_NEW))
+    assert outputs(st.dec, BATCH)[0] == want
+
+
+@pytest.mark.parametrize("chain", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_perfect_head_accepts_every_draft_on_the_top1_path(bigram, chain):
+    config, params, hcfg, head = bigram
+    depth = 3
+    drafter = EagleDrafter.chain_of(hcfg, depth) if chain else EagleDrafter(hcfg, **TREE)
+    want = plain_outputs(params, config, drafter)
+    st = run_spec(params, config, dparams_for(params, head), drafter, buckets_for(drafter), PROMPTS,
+                  make_sampling(BATCH, max_new=MAX_NEW))
+    got, _ = outputs(st.dec, BATCH)
+    assert got == want
+    steps = np.asarray(st.stats.verify_steps)
+    acc = np.asarray(st.stats.accepted)
+    # Every step but possibly the last (cut by max_new_tokens) accepts all `depth` drafts of the top-1 path.
+    assert np.all(acc >= depth * (steps - 1)), (acc, steps)
+    assert np.all(acc + steps + 1 >= MAX_NEW)
+
+
+# ============================================================================================ KV cache vs scratch
+@functools.partial(jax.jit, static_argnames=("config", "features"))
+def _scratch_features(params, config, tokens, features):
+    T = tokens.shape[1]
+    cache = init_cache(config.num_layers, 1, T, config.num_kv_heads, config.head_dim)
+    out = forward(params, config, tokens, jnp.arange(T, dtype=jnp.int32)[None], cache,
+                  hidden_layers=engine.feature_layers(features), compute_logits=False)
+    return engine.target_features(out, features)
+
+
+@functools.partial(jax.jit, static_argnames=("hcfg", "steps"))
+def _scratch_logp(head, hcfg, dparams, tokens, feats, row, steps):
+    """Log-probs over the head's vocabulary [steps, Vo] at unroll steps 0..steps-1 of row `row`."""
+    hs = unrolled_hidden(head, hcfg, dparams["embed"], tokens, feats, steps)[:, 0]  # [U, T, H]
+    return jax.nn.log_softmax(head_logits(head, hcfg, dparams, hs[:, row]), axis=-1)
+
+
+def _scratch(params, config, hcfg, head, dparams, seq, L, steps, width=64):
+    """{target id: log-prob} per unroll step 0..steps-1 at row L-1, from target features recomputed on seq."""
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, :len(seq)] = seq
+    feats = _scratch_features(params, config, jnp.asarray(tokens), hcfg.features)
+    logp = np.asarray(_scratch_logp(head, hcfg, dparams, jnp.asarray(tokens), feats, L - 1, steps))
+    ids = np.asarray(head["draft_ids"]) if hcfg.kind == "eagle3" else np.arange(logp.shape[1])
+    return [dict(zip(ids.tolist(), row.tolist())) for row in logp]
+
+
+@functools.partial(jax.jit, static_argnames=("drafter",))
+def _candidates(dparams, drafter, state, sampling):
+    return drafter.candidates(dparams, state.dstate, spec_engine.context(state, sampling))[:3]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("eagle", marks=pytest.mark.slow)])
+def test_tree_candidates_equal_scratch_head_after_verify_steps(target, heads, kind):
+    """Every candidate's token and cumulative score equal a from-scratch unroll of the head on target features
+    recomputed over the committed history (after 3 verify steps with varying accept counts): the head's cache,
+    positions and tree attention at every level agree with the training path."""
+    config, params = target
+    hcfg, hp = heads[kind]
+    drafter = EagleDrafter(hcfg, **TREE)
+    dp = dparams_for(params, hp)
+    sampling = make_sampling(BATCH, max_new=MAX_NEW)
+    st = run_spec(params, config, dp, drafter, buckets_for(drafter), PROMPTS, sampling, max_steps=3)
+    tok, score, parent = (np.asarray(a) for a in _candidates(dp, drafter, st, sampling))
+    hist = np.asarray(st.history)
+    k = drafter.top_k
+    for b in range(BATCH):
+        L = int(np.asarray(st.dec.cache.lengths)[b])
+        seq = hist[b, :L + 1].tolist()  # committed tokens and the root (the last emitted token)
+
+        def path(c):  # tokens from the root's child down to candidate c
+            out = []
+            while c >= 0:
+                out.append(int(tok[b, c]))
+                c = int(parent[b, c])
+            return out[::-1]
+
+        logp0 = _scratch(params, config, hcfg, hp, dp, seq, L, 1)[0]
+        best = sorted(logp0.items(), key=lambda kv: -kv[1])[:k]
+        assert tok[b, :k].tolist() == [t for t, _ in best]
+        np.testing.assert_allclose(score[b, :k], [v for _, v in best], atol=2e-4)
+        checked = 0
+        for c in range(k, tok.shape[1]):
+            p = int(parent[b, c])
+            pre = path(p)
+            logp = _scratch(params, config, hcfg, hp, dp, seq + pre, L, len(pre) + 1)[len(pre)]
+            assert tok[b, c] in logp
+            np.testing.assert_allclose(score[b, c], score[b, p] + logp[int(tok[b, c])], atol=2e-4)
+            checked += 1
+        assert checked == (drafter.depth - 1) * k * k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_chain_proposal_equals_scratch_unroll(target, heads, kind):
+    config, params = target
+    hcfg, hp = heads[kind]
+    gamma = 4
+    drafter = EagleDrafter.chain_of(hcfg, gamma)
+    dp = dparams_for(params, hp)
+    sampling = make_sampling(BATCH, max_new=MAX_NEW)
+    st = run_spec(params, config, dp, drafter, buckets_for(drafter), PROMPTS, sampling, max_steps=4)
+    prop, _ = spec_engine.propose_jit(dp, drafter, st, sampling)
+    toks = np.asarray(prop.tokens)
+    hist = np.asarray(st.history)
+    for b in range(BATCH):
+        L = int(np.asarray(st.dec.cache.lengths)[b])
+        seq = hist[b, :L + 1].tolist() + toks[b, 1:].tolist()
+        logps = _scratch(params, config, hcfg, hp, dp, seq, L, gamma)
+        assert toks[b, 1:].tolist() == [max(lp, key=lp.get) for lp in logps]
+
+
+# ============================================================================================ tree invariants
+def _check_tree(tokens, parents, valid, depth, top_k, n):
+    assert tokens.shape == (n,) and parents[0] == -1 and valid[0]
+    d = np.zeros(n, int)
+    kids = {}
+    for j in range(1, n):
+        if not valid[j]:
+            continue
+        p = int(parents[j])
+        assert 0 <= p < j and valid[p], (j, p)
+        d[j] = d[p] + 1
+        kids.setdefault(p, []).append(int(tokens[j]))
+    assert d.max() <= depth
+    for p, ks in kids.items():
+        assert len(ks) <= top_k and len(set(ks)) == len(ks), (p, ks)
+    return d
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_dynamic_tree_invariants(target, heads, kind):
+    config, params = target
+    hcfg, hp = heads[kind]
+    drafter = EagleDrafter(hcfg, top_k=4, depth=4, total_tokens=20)
+    dp = dparams_for(params, hp)
+    sampling = make_sampling(BATCH, max_new=MAX_NEW)
+    from spec_helpers import spec_start
+
+    st = spec_start(params, config, dp, drafter, buckets_for(drafter), PROMPTS, sampling)
+    prop, _ = spec_engine.propose_jit(dp, drafter, st, sampling)
+    assert prop.q is None and drafter.mode == "deterministic"
+    assert prop.tokens.shape == (BATCH, drafter.total_tokens + 1) == (BATCH, drafter.tree.num_nodes)
+    assert drafter.tree.max_depth == drafter.depth
+    for b in range(BATCH):
+        t, p, v = (np.asarray(a[b]) for a in (prop.tokens, prop.parents, prop.valid))
+        d = _check_tree(t, p, v, drafter.depth, drafter.top_k, drafter.total_tokens + 1)
+        assert int(v.sum()) == drafter.total_tokens + 1  # no ties in float32 scores: every slot is a real node
+        assert d.max() >= 2  # the budget reaches past the first level
+        assert t[0] == int(st.dec.last_token[b])
+
+
+def test_drafter_settings_are_checked(heads):
+    hcfg = heads["eagle"][0]
+    with pytest.raises(EagleDrafterError, match="total_tokens"):
+        EagleDrafter(hcfg, top_k=2, depth=5, total_tokens=3)
+    with pytest.raises(EagleDrafterError, match="candidates"):
+        EagleDrafter(hcfg, top_k=2, depth=2, total_tokens=7)
+    with pytest.raises(EagleDrafterError, match=">= 1"):
+        EagleDrafter(hcfg, top_k=0)
+    assert EagleDrafter.chain_of(hcfg, 4).tree.is_chain
+
+
+# ============================================================================================ formats
+EXPECTED_EAGLE3 = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+    p + s for p in ("midlayer.",) for s in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "hidden_norm.weight",
+        "input_layernorm.weight", "post_attention_layernorm.weight")}
+
+
+def _names(path):
+    with safe_open(os.path.join(path, "model.safetensors"), "numpy") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _same(a, b):
+    fa, ta = jax.tree_util.tree_flatten(jax.tree_util.tree_map(np.asarray, a))
+    fb, tb = jax.tree_util.tree_flatten(jax.tree_util.tree_map(np.asarray, b))
+    assert ta == tb
+    for x, y in zip(fa, fb):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_eagle_round_trip_with_reference_tensor_names(target, heads, tmp_path):
+    config, params = target
+    hcfg = head_config(config, "eagle", num_layers=2)
+    hp = noisy(init_from_target(hcfg, params, -1), 3)
+    hp["fc_bias"] = jnp.ones((config.hidden_size,))
+    save_head(str(tmp_path), hcfg, hp, dtype="float32", meta={"target": "tiny"})
+    t = _names(str(tmp_path))
+    H = config.hidden_size
+    assert t["fc.weight"].shape == (H, 2 * H) and "fc.bias" in t
+    assert "layers.1.input_layernorm.weight" in t and "layers.0.input_layernorm.weight" not in t
+    assert t["layers.0.self_attn.q_proj.weight"].shape == (config.num_heads * config.head_dim, H)
+    assert not any("embed" in n or "lm_head" in n for n in t)
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert cfg["num_hidden_layers"] == 2 and cfg["hidden_size"] == H
+    got_cfg, got = load_head(str(tmp_path), config)
+    assert got_cfg == hcfg
+    _same(got, hp)
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_eagle3_round_trip_with_reference_tensor_names(target, heads, tmp_path, fmt):
+    config, params = target
+    hcfg, hp = heads["eagle3"]
+    save_head(str(tmp_path), hcfg, hp, fmt=fmt, dtype="float32", meta={"target": "tiny"})
+    t = _names(str(tmp_path))
+    want = EXPECTED_EAGLE3 if fmt == "eagle3" else {n.replace("midlayer.", "layers.0.") for n in EXPECTED_EAGLE3}
+    assert set(t) == want
+    H = config.hidden_size
+    assert t["fc.weight"].shape == (H, 3 * H)
+    pre = "midlayer." if fmt == "eagle3" else "layers.0."
+    assert t[pre + "self_attn.q_proj.weight"].shape == (config.num_heads * config.head_dim, 2 * H)
+    assert t["lm_head.weight"].shape == (VD, H)
+    assert t["d2t"].dtype == np.int64 and t["t2d"].dtype == bool and t["t2d"].shape == (V,)
+    ids = np.asarray(hp["draft_ids"])
+    np.testing.assert_array_equal(np.arange(VD) + t["d2t"], ids)  # target id = i + d2t[i]
+    assert t["t2d"].sum() == VD and t["t2d"][ids].all()
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert cfg["draft_vocab_size"] == VD
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in E3_LAYERS]
+    if fmt == "speculators":
+        assert cfg["speculators_config"]["algorithm"] == "eagle3"
+        assert cfg["transformer_layer_config"]["hidden_size"] == H
+    got_cfg, got = load_head(str(tmp_path), config)
+    assert got_cfg == hcfg
+    _same(got, hp)
+
+
+def test_eagle3_without_recorded_layers_gets_the_reference_default(heads, tmp_path):
+    hcfg, hp = heads["eagle3"]
+    save_head(str(tmp_path), hcfg, hp, dtype="float32")
+    cfg = json.load(open(tmp_path / "config.json"))
+    del cfg["eagle_aux_hidden_state_layer_ids"], cfg["specjax_head"]
+    json.dump(cfg, open(tmp_path / "config.json", "w"))
+    big = tiny_config(V, num_layers=30)
+    got, _ = load_head(str(tmp_path), big)
+    assert got.feature_layers == (1, 14, 26)  # inputs of layers 2, 15, 27 = outputs of 1, 14, 26
+
+
+def test_loaded_head_drafts_like_the_in_memory_one(target, heads, tmp_path):
+    config, params = target
+    hcfg, hp = heads["eagle3"]
+    save_head(str(tmp_path), hcfg, hp, dtype="float32")
+    drafter, dp = load_eagle_drafter(str(tmp_path), "eagle3", config, params, **TREE)
+    assert drafter == EagleDrafter(hcfg, **TREE)
+    _same(dp["head"], hp)
+    with pytest.raises(EagleDrafterError, match="use method 'eagle3'"):
+        load_eagle_drafter(str(tmp_path), "eagle", config, params)
+
+
+def test_formats_are_registered():
+    assert {"eagle", "eagle3", "speculators"} <= set(HEAD_FORMATS)
+
+
+# ============================================================================================ bad input
+def _one_line(e):
+    assert "\n" not in str(e.value), str(e.value)
+
+
+def test_hidden_size_mismatch_is_a_clear_error(target, heads, tmp_path):
+    config, _ = target
+    save_head(str(tmp_path), *heads["eagle"])
+    with pytest.raises(HeadMismatchError, match="hidden size") as e:
+        load_head(str(tmp_path), tiny_config(V, num_layers=LAYERS, hidden_size=48, head_dim=12))
+    _one_line(e)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_vocabulary_mismatch_is_a_clear_error(target, heads, tmp_path, kind):
+    save_head(str(tmp_path), *heads[kind])
+    with pytest.raises(HeadMismatchError, match="vocabulary") as e:
+        load_head(str(tmp_path), tiny_config(V + 8, num_layers=LAYERS))
+    _one_line(e)
+
+
+def test_feature_layers_beyond_the_target_are_an_error(heads, tmp_path):
+    save_head(str(tmp_path), *heads["eagle3"])
+    with pytest.raises(HeadMismatchError, match="layers") as e:
+        load_head(str(tmp_path), tiny_config(V, num_layers=2))
+    _one_line(e)
+
+
+def test_draft_ids_outside_the_vocabulary_are_an_error(target, heads, tmp_path):
+    config, _ = target
+    save_head(str(tmp_path), *heads["eagle3"])
+    from safetensors.numpy import save_file
+
+    t = _names(str(tmp_path))
+    t["d2t"] = t["d2t"] + V
+    t.pop("t2d")
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HeadMismatchError, match="outside the target vocabulary") as e:
+        load_head(str(tmp_path), config)
+    _one_line(e)
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "head.pt"])
+def test_pickled_checkpoints_are_refused_with_a_conversion_hint(target, tmp_path, name):
+    config, _ = target
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / name).write_bytes(b"\x80\x04not really a pickle")
+    for path in (str(tmp_path), str(tmp_path / name)):
+        with pytest.raises(HeadFormatError, match="safetensors") as e:
+            load_head(path, config)
+        assert "weights_only=True" in str(e.value) and name in str(e.value)
+        _one_line(e)
+
+
+def test_unknown_corrupt_and_incomplete_files_are_errors(target, heads, tmp_path):
+    config, _ = target
+    from safetensors.numpy import save_file
+
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"something.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HeadFormatError, match="unrecognised head format") as e:
+        load_head(str(tmp_path), config)
+    _one_line(e)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
+    with pytest.raises(HeadFormatError, match="corrupt"):
+        load_head(str(tmp_path), config)
+    save_head(str(tmp_path), *heads["eagle3"])
+    t = _names(str(tmp_path))
+    t.pop("midlayer.hidden_norm.weight")
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HeadFormatError, match="midlayer.hidden_norm.weight"):
+        load_head(str(tmp_path), config)
+    with pytest.raises(HeadFormatError, match="does not exist"):
+        load_head(str(tmp_path / "nowhere"), config)
+
+
+def test_head_config_errors():
+    from specjax.heads.eagle import HeadConfigError
+
+    with pytest.raises(HeadConfigError, match="one decoder layer"):
+        HeadConfig("eagle3", 8, 16, 2, 1, 4, V, num_layers=2, draft_vocab_size=8, feature_layers=(0, 1, 2))
+    with pytest.raises(HeadConfigError, match="unknown head kind"):
+        HeadConfig("medusa", 8, 16, 2, 1, 4, V)
+
+
+# ============================================================================================ training
+def _tiny_dataset(path, params, config, n=24, prompt=8, new=24):
+    from specjax.train.data import generate_batch, save_dataset
+
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, V, (n, prompt)).astype(np.int32)
+    plen = rng.integers(4, prompt + 1, n).astype(np.int32)
+    for i in range(n):
+        prompts[i, plen[i]:] = 0
+    keys = jax.random.key_data(jax.random.split(jax.random.key(0), n))
+    toks, ids, logp, num = jax.device_get(generate_batch(
+        params, config, jnp.asarray(prompts), jnp.asarray(plen), jnp.zeros(n), keys, max_new=new, top_k=8,
+        stop_ids=(2,)))
+    tokens = np.zeros((n, 64), np.int32)
+    for i in range(n):
+        tokens[i, :plen[i]] = prompts[i, :plen[i]]
+        tokens[i, plen[i]:plen[i] + num[i]] = toks[i, :num[i]]
+    save_dataset(path, dict(tokens=tokens, prompt_len=plen, length=plen + num, topk_ids=ids,
+                            topk_logp=logp.astype(np.float16), temperature=np.zeros(n, np.float32),
+                            prompt_index=np.arange(n, dtype=np.int32), heldout=np.arange(n) % 4 == 0),
+                 {"target": "tiny", "stop_token_ids": [2]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_training_learns_and_resumes(bigram, tmp_path, kind):
+    from spec_helpers import save_hf_llama
+    from specjax.train import heads as train_heads
+
+    config, params, _, _ = bigram
+    save_hf_llama(str(tmp_path / "target"), config, params)
+    _tiny_dataset(str(tmp_path / "data.npz"), params, config)
+    argv = ["--kind", kind, "--data", str(tmp_path / "data.npz"), "--out", str(tmp_path / "run"), "--target",
+            str(tmp_path / "target"), "--batch", "4", "--bucket", "32", "--draft-vocab", "48", "--loss-vocab", "0",
+            "--feature-layers", "0,1,2", "--eval-every", "30", "--checkpoint-every", "15", "--lr", "3e-3",
+            "--eval-unroll", "3", "--no-progress"]
+    first = train_heads.main(argv + ["--steps", "30"])
+    recs = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    trains = [r for r in recs if r["kind"] == "train"]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 30
+    assert np.mean([r["loss"] for r in trains[-5:]]) < np.mean([r["loss"] for r in trains[:5]])
+    assert evals[-1]["top1"][0] > evals[0]["top1"][0]
+    assert os.path.isfile(tmp_path / "run" / "head" / "training_curve.png")
+    hcfg, _ = load_head(str(tmp_path / "run" / "head"), config)
+    assert hcfg.kind == kind
+    # The same command again resumes from the last checkpoint: no new training steps are logged.
+    again = train_heads.main(argv + ["--steps", "30"])
+    assert again["heldout"]["top1"] == first["heldout"]["top1"]
+    assert len([x for x in open(tmp_path / "run" / "metrics.jsonl")]) == len(recs)
+    with pytest.raises(train_heads.HeadTrainError, match="other settings"):
+        train_heads.main(argv + ["--steps", "30", "--lr", "1e-3"])
+
+
+# ============================================================================================ shipped heads (slow)
+def _shipped(kind):
+    import specjax
+
+    path = os.path.join(os.path.dirname(os.path.abspath(specjax.__file__)), "assets", f"smollm2-135m-{kind}")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_shipped_head_greedy_equals_plain_on_spec_bench(kind):
+    from specjax.api import LLM
+    from specjax.config import SamplingParams
+    from spec_helpers import first_divergence
+
+    path = _shipped(kind)
+    if path is None or not os.path.isfile(SPEC_BENCH):
+        pytest.skip("shipped head or Spec-Bench questions not present")
+    rows = [json.loads(x) for x in open(SPEC_BENCH)]
+    seen, prompts = set(), []
+    for r in rows:  # the first question of three categories
+        if r["category"] not in seen and len(prompts) < 3:
+            seen.add(r["category"])
+            prompts.append(r["turns"][0])
+    llm = LLM("smollm2-135m")
+    sp = SamplingParams(temperature=0.0, max_new_tokens=64)
+    plain = llm.generate(prompts, sp, chat=True)
+    from specjax.config import SpeculativeConfig
+    from specjax.drafters.eagle import build_eagle
+
+    for top_k, label in ((8, "tree"), (1, "chain")):
+        spec = SpeculativeConfig(method=kind, model=path, top_k=top_k, depth=5, total_tokens=32 if top_k > 1 else 5)
+        drafter, dparams = build_eagle(llm, spec)
+        outs = _generate_with(llm, drafter, dparams, prompts, sp)
+        for p, a, b in zip(prompts, plain, outs):
+            assert first_divergence(a.token_ids, b["tokens"]) is None, (label, p[:40])
+        acc = sum(o["accepted"] for o in outs)
+        steps = sum(o["steps"] for o in outs)
+        drafted = sum(o["pos_drafted"][0] for o in outs)
+        alpha = [sum(o["pos_accepted"][j] for o in outs) / max(sum(o["pos_drafted"][j] for o in outs), 1)
+                 for j in range(5)]
+        tau = (acc + steps) / max(steps, 1)
+        print(f"\n{kind} {label}: tau {tau:.2f} tokens/verify, alpha per depth {[round(a, 2) for a in alpha]}, "
+              f"{steps} verify steps for {drafted} proposals")
+        assert tau > 1.3  # a trained head must get drafts accepted
+
+
+def _generate_with(llm, drafter, dparams, prompts, sp):
+    """Speculative greedy generation through spec_prefill/spec_loop without back-off; per prompt tokens and
+    acceptance counters."""
+    from specjax.api import pad_prompts
+
+    ids = [llm.encode_prompt(p, True) for p in prompts]
+    out = []
+    for row in ids:
+        b = engine.make_buckets(1, len(row), sp.max_new_tokens, extra_slots=drafter.tree.num_nodes)
+        tokens, lens, active = pad_prompts([row], b.batch, b.prompt_len)
+        sampling = llm.sampling_arrays([sp], b.batch, b.num_stop)
+        st = spec_engine.spec_prefill(llm.params, llm.config, dparams, drafter, b, tokens, lens, active, sampling)
+        st = spec_engine.spec_loop(llm.params, llm.config, dparams, drafter, st, sampling, jnp.int32(2 ** 30))
+        n = int(st.dec.num_new[0])
+        out.append({"tokens": np.asarray(st.dec.out_tokens[0, :n]).tolist(),
+                    "accepted": int(st.stats.accepted[0]), "steps": int(st.stats.verify_steps[0]),
+                    "pos_accepted": np.asarray(st.stats.pos_accepted[0]).tolist(),
+                    "pos_drafted": np.asarray(st.stats.pos_drafted[0]).tolist()})
+    return out
