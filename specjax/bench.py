@@ -9,6 +9,11 @@ Timing excludes compilation: the first request of every new shape bucket is run 
 default (the latency setting of the papers). Figures per method and category: tokens/s, speedup over plain (ratio
 of tokens/s on the same prompts), acceptance rate alpha, mean accepted length tau (tokens per target forward),
 per-position acceptance, TTFT and end-to-end latency p50/p90.
+
+Optional extras: a throughput run at larger batch sizes (`run_throughput`: tokens/s against batch size, with a
+check that greedy outputs equal the batch-1 ones) and a profiled pass (`run_profile`: draft against verify time,
+through the host-stepped loop of `spec_api.generate(..., profile=True)`). Configurations with lossy acceptance
+(`SpeculativeConfig.is_lossy`) carry LOSSY in their label everywhere.
 """
 from __future__ import annotations
 
@@ -22,7 +27,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specjax.config import ConfigError, SamplingParams, SpeculativeConfig, load_run_config
+from specjax.config import ConfigError, SamplingParams, SpeculativeConfig, load_run_config, to_dict
+
+LOSSY_TAG = "LOSSY"  # appended to the label of every configuration whose acceptance is not exact
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +92,21 @@ def method_from_name(name: str) -> tuple[str, SpeculativeConfig | None]:
     except ConfigError as e:
         raise ConfigError(f"benchmark method {name!r}: {e}") from None
     spec = cfg.speculative
+    if not spec.enabled:
+        return "plain", None
+    return method_label(spec), spec
+
+
+def method_label(spec: SpeculativeConfig) -> str:
+    """'ngram(k=4)'; lossy configurations get ' LOSSY' so no table can pass them off as exact."""
     label = f"{spec.method}(k={spec.num_speculative_tokens})"
-    return label, spec if spec.enabled else None
+    return f"{label} {LOSSY_TAG}" if spec.is_lossy else label
+
+
+def method_info(name: str, spec: SpeculativeConfig | None) -> dict:
+    """What the JSON records about one method: the name asked for, lossy or not, the full config."""
+    return {"name": name, "lossy": bool(spec is not None and spec.is_lossy),
+            "config": to_dict(spec) if spec is not None else None}
 
 
 def run_requests(llm, prompts: Sequence[BenchPrompt], spec: SpeculativeConfig | None, sampling: SamplingParams,
@@ -100,7 +120,7 @@ def run_requests(llm, prompts: Sequence[BenchPrompt], spec: SpeculativeConfig | 
         messages: list[dict] = []
         rec: dict[str, Any] = {"id": p.id, "category": p.category, "new_tokens": 0, "time": 0.0, "ttft": None,
                                "drafted": 0, "accepted": 0, "verify_steps": 0, "target_forwards": 0,
-                               "pos_acc": None, "token_ids": []}
+                               "pos_acc": None, "token_ids": [], "lossy": bool(spec is not None and spec.is_lossy)}
         for turn in (p.turns if all_turns else p.turns[:1]):
             messages.append({"role": "user", "content": turn})
             ids = llm.encode_prompt(messages, None)
@@ -108,7 +128,9 @@ def run_requests(llm, prompts: Sequence[BenchPrompt], spec: SpeculativeConfig | 
             if key not in warm:  # compile outside the timed region
                 llm.generate([messages], sampling, spec)
                 warm.add(key)
+            t0 = time.perf_counter()
             o = llm.generate([messages], sampling, spec)[0]
+            rec["wall_time"] = rec.get("wall_time", 0.0) + time.perf_counter() - t0  # as run_throughput times
             m = o.metrics
             rec["new_tokens"] += m.new_tokens
             rec["time"] += m.total_time
@@ -135,6 +157,7 @@ def aggregate(records: list[dict]) -> dict:
            "ttft_ms_p50": 1000 * float(np.median([r["ttft"] for r in records])),
            "latency_s_p50": float(np.percentile([r["time"] for r in records], 50)),
            "latency_s_p90": float(np.percentile([r["time"] for r in records], 90))}
+    out["lossy"] = any(r.get("lossy", False) for r in records)
     drafted = sum(r["drafted"] for r in records)
     if any("pos_num" in r for r in records):
         acc = sum(r["accepted"] for r in records)
@@ -160,6 +183,110 @@ def summarize(results: dict[str, list[dict]]) -> dict:
                 base = table["plain"][c]["tokens_per_s"]
                 agg["speedup"] = agg["tokens_per_s"] / base if base else float("nan")
     return table
+
+
+def _first_turn(p: BenchPrompt) -> list[dict]:
+    return [{"role": "user", "content": p.turns[0]}]
+
+
+def _bucket_key(llm, chats: list[list[dict]], max_new: int) -> tuple[int, int]:
+    """(batch bucket, prompt bucket) of one generate call: a new key means a new compilation."""
+    from specjax.engine import make_buckets
+
+    longest = max(len(llm.encode_prompt(c, None)) for c in chats)
+    b = make_buckets(len(chats), longest, max_new)
+    return b.batch, b.prompt_len
+
+
+def run_throughput(llm, prompts: Sequence[BenchPrompt], spec: SpeculativeConfig | None, sampling: SamplingParams,
+                   batch: int) -> tuple[dict, list[list[int]]]:
+    """The first turn of every prompt, `batch` prompts per `llm.generate` call; each new shape bucket is run
+    once untimed first. Times whole calls (tokenization and detokenization included), like `wall_time` of
+    `run_requests`. Returns (figures, new token ids per prompt in dataset order)."""
+    if batch < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch}")
+    chunks = [[_first_turn(p) for p in prompts[i:i + batch]] for i in range(0, len(prompts), batch)]
+    warm: set = set()
+    outs: list = []
+    wall = 0.0  # seconds inside the timed generate calls (tokenization included)
+    for chats in chunks:
+        key = _bucket_key(llm, chats, sampling.max_new_tokens)
+        if key not in warm:  # compile outside the timed region
+            llm.generate(chats, sampling, spec)
+            warm.add(key)
+        t0 = time.perf_counter()
+        outs.extend(llm.generate(chats, sampling, spec))
+        wall += time.perf_counter() - t0
+    fig = throughput_figures([o.metrics for o in outs], wall, batch, len(chunks))
+    fig["effective_batch"] = max(map(len, chunks))  # below `batch` when there are fewer prompts
+    return fig, [o.token_ids for o in outs]
+
+
+def throughput_figures(metrics: Sequence, wall: float, batch: int, calls: int) -> dict:
+    """tokens/s over the wall time of all calls; alpha and tau pooled over the requests' own counters
+    (tau = (accepted + decoding forwards) / decoding forwards, prefill excluded as in `run_requests`)."""
+    toks = sum(m.new_tokens for m in metrics)
+    out: dict[str, Any] = {"batch": batch, "requests": len(metrics), "calls": calls, "new_tokens": toks,
+                           "time_s": wall, "tokens_per_s": toks / wall if wall else 0.0,
+                           "lossy": any(m.lossy for m in metrics)}
+    spec = [m for m in metrics if m.drafted is not None]
+    if spec:
+        drafted = sum(m.drafted for m in spec)
+        acc = sum(m.accepted for m in spec)
+        fwd = sum(m.target_forwards - 1 for m in spec)
+        out["acceptance_rate"] = acc / drafted if drafted else 0.0
+        out["tau"] = (acc + fwd) / fwd if fwd else 1.0
+    return out
+
+
+def batch1_figures(records: list[dict]) -> dict:
+    """The batch-1 point of the throughput table from `run_requests` records, over their wall times."""
+    wall = sum(r["wall_time"] for r in records)
+    toks = sum(r["new_tokens"] for r in records)
+    agg = aggregate(records)
+    out = {"batch": 1, "requests": len(records), "calls": len(records), "new_tokens": toks, "time_s": wall,
+           "tokens_per_s": toks / wall if wall else 0.0, "lossy": agg["lossy"]}
+    out.update({k: agg[k] for k in ("acceptance_rate", "tau") if k in agg})
+    return out
+
+
+def greedy_equal(batch1: Sequence[dict], token_ids: Sequence[Sequence[int]]) -> bool:
+    """Batch-1 records (first turn) against the first-turn outputs of a larger batch, prompt by prompt."""
+    if len(batch1) != len(token_ids):
+        raise ValueError(f"{len(batch1)} batch-1 records but {len(token_ids)} batched outputs")
+    return all(list(r["token_ids"][0]) == list(t) for r, t in zip(batch1, token_ids))
+
+
+def run_profile(llm, prompts: Sequence[BenchPrompt], spec: SpeculativeConfig, sampling: SamplingParams) -> dict:
+    """Draft against verify time at batch 1 over `prompts` (first turns), through the host-stepped loop:
+    `LLM.generate` has no profile switch, so this calls `spec_api.generate(..., profile=True)` as it does."""
+    from specjax import spec_api
+
+    warm: set = set()
+    draft = verify = 0.0  # seconds
+    steps = toks = 0
+    for p in prompts:
+        chats = [_first_turn(p)]
+        ids = [llm.encode_prompt(chats[0], None)]
+        key = _bucket_key(llm, chats, sampling.max_new_tokens)
+        if key not in warm:  # the host-stepped functions compile apart from the fused loop
+            spec_api.generate(llm, chats, ids, [sampling], spec, profile=True)
+            warm.add(key)
+        m = spec_api.generate(llm, chats, ids, [sampling], spec, profile=True)[0].metrics
+        draft += m.draft_time
+        verify += m.verify_time
+        steps += m.target_forwards - 1  # one verify forward per host step; prefill excluded
+        toks += m.new_tokens
+    return profile_figures(draft, verify, steps, toks, len(prompts), spec.is_lossy)
+
+
+def profile_figures(draft: float, verify: float, steps: int, new_tokens: int, requests: int, lossy: bool) -> dict:
+    """draft / verify seconds -> shares and per-step means (ms)."""
+    busy = draft + verify
+    return {"requests": requests, "new_tokens": new_tokens, "steps": steps, "draft_s": draft, "verify_s": verify,
+            "draft_share": draft / busy if busy else 0.0,
+            "verify_ms_per_step": 1000 * verify / steps if steps else 0.0,
+            "draft_ms_per_step": 1000 * draft / steps if steps else 0.0, "lossy": lossy}
 
 
 def environment(llm) -> dict:
@@ -191,9 +318,59 @@ def markdown(summary: dict, title: str) -> str:
             cells.append(cell)
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Per-position acceptance (overall): " + "; ".join(
-        f"{m}: [{', '.join(f'{x:.2f}' for x in per['overall'].get('per_position', []))}]"
-        for m, per in summary.items() if "per_position" in per["overall"]))
+    if any(per["overall"].get("lossy") for per in summary.values()):
+        lines += [f"{LOSSY_TAG}: typical acceptance; outputs do not follow the target model's distribution.", ""]
+    lines += per_position_markdown(summary)
+    return "\n".join(lines) + "\n"
+
+
+def per_position_markdown(summary: dict) -> list[str]:
+    """One row per speculative method: acceptance rate at draft depth 1, 2, ... (overall)."""
+    rows = {m: per["overall"]["per_position"] for m, per in summary.items() if "per_position" in per["overall"]}
+    if not rows:
+        return []
+    depth = max(len(v) for v in rows.values())
+    lines = ["Per-position acceptance (overall):", "", "| method | " + " | ".join(f"d{i}" for i in
+                                                                               range(1, depth + 1)) + " |",
+             "|---|" + "---|" * depth]
+    for m, pp in rows.items():
+        lines.append(f"| {m} | " + " | ".join(f"{x:.2f}" for x in pp) + " |" + " |" * (depth - len(pp)))
+    return lines + [""]
+
+
+def throughput_markdown(table: dict, title: str) -> str:
+    """{method: {batch: figures}} -> the 'tokens/s against batch size' table."""
+    batches = sorted({int(b) for per in table.values() for b in per})
+    lines = [f"### {title}: tokens/s against batch size", "", "| method | " + " | ".join(f"batch {b}" for b in
+                                                                                        batches) + " |",
+             "|---|" + "---|" * len(batches)]
+    for method, per in table.items():
+        cells = []
+        for b in batches:
+            f = per.get(str(b))
+            if f is None:
+                cells.append("")
+                continue
+            cell = f"{f['tokens_per_s']:.1f}"
+            if "tau" in f:
+                cell += f", α {f['acceptance_rate']:.2f}, τ {f['tau']:.2f}"
+            if f.get("greedy_equal_to_batch1") is False:
+                cell += ", greedy differs from batch 1"
+            cells.append(cell)
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += ["", "Every batch size is timed around whole `llm.generate` calls (batch 1: the per-prompt run).",
+              ""]
+    return "\n".join(lines)
+
+
+def profile_markdown(profile: dict, title: str) -> str:
+    """{method: profile_figures} -> the draft against verify time table."""
+    lines = [f"### {title}: draft vs verify time (host-stepped, batch 1)", "",
+             "| method | prompts | draft s | verify s | draft share | verify ms/step | draft ms/step |",
+             "|---|---|---|---|---|---|---|"]
+    for m, f in profile.items():
+        lines.append(f"| {m} | {f['requests']} | {f['draft_s']:.3f} | {f['verify_s']:.3f} | "
+                     f"{100 * f['draft_share']:.0f}% | {f['verify_ms_per_step']:.2f} | {f['draft_ms_per_step']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -265,3 +442,27 @@ def plot(summary: dict, path_prefix: str, title: str) -> list[str]:
         fig.savefig(files[-1], dpi=110)
         plt.close(fig)
     return files
+
+
+def plot_throughput(table: dict, path: str, title: str) -> list[str]:
+    """PNG: tokens/s against batch size, one line per method. Returns the files written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, per in table.items():
+        batches = sorted(int(b) for b in per)
+        ax.plot(batches, [per[str(b)]["tokens_per_s"] for b in batches], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{title}: tokens/s against batch size")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

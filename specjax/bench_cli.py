@@ -1,4 +1,8 @@
-"""`specjax bench`: methods x temperatures over a prompt file; table, JSON and Markdown out."""
+"""`specjax bench`: methods x temperatures over a prompt file; table, JSON and Markdown out.
+
+Batch 1 always runs (per-prompt records, the latency figures and the greedy reference); `--batch-sizes` adds
+throughput runs at larger batches and `--profile-prompts` a draft-vs-verify timing pass per speculative method.
+"""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +33,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="peer engines run greedily on the same prompts: transformers, transformers-prompt-lookup, "
                         "transformers-assisted, llama.cpp, llama.cpp-prompt-lookup")
     p.add_argument("--peer-draft", default=None, help="HF draft directory for transformers-assisted")
+    p.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1],
+                   help="batch sizes; each size > 1 adds a throughput run (tokens/s against batch size)")
+    p.add_argument("--profile-prompts", type=_non_negative_int, default=4,
+                   help="prompts of the draft-vs-verify timing pass per speculative method (0 disables)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    if text.strip() == "0":
+        return 0
+    return _positive_int(text)
 
 
 def _jsonable(x):
@@ -59,18 +83,79 @@ def _run_peers(args, prompts, results) -> None:
                   file=sys.stderr)
 
 
+def _methods(names: list[str]) -> list[tuple[str, object, str]]:
+    """(label, SpeculativeConfig or None, name as given), plain first; labels made unique."""
+    methods = [(*bench.method_from_name(n), n) for n in names]
+    # plain runs first and once: it is the baseline of every speedup and greedy check
+    plain = [m for m in methods if m[0] == "plain"][:1] or [("plain", None, "plain")]
+    methods = plain + [m for m in methods if m[0] != "plain"]
+    seen: dict[str, int] = {}
+    out = []
+    for label, spec, name in methods:
+        seen[label] = seen.get(label, 0) + 1
+        out.append((label if seen[label] == 1 else f"{label}#{seen[label]}", spec, name))
+    return out
+
+
+def _batch1(args, llm, prompts, methods, sp, tqdm) -> dict:
+    """{label: per-prompt records} at batch 1, with the greedy-equality check against plain."""
+    results = {}
+    for label, spec, _ in methods:
+        bar = tqdm(total=len(prompts), desc=f"T={sp.temperature} {label}", file=sys.stderr) if tqdm else None
+
+        def tick(rec, bar=bar):
+            if bar:
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{rec['new_tokens'] / rec['time']:.1f}")
+
+        results[label] = bench.run_requests(llm, prompts, spec, sp, args.all_turns, tick)
+        if bar:
+            bar.close()
+        if sp.temperature == 0 and label != "plain":
+            same = [a["token_ids"] == b["token_ids"] for a, b in zip(results["plain"], results[label])]
+            print(f"{label}: greedy output identical to plain on {sum(same)}/{len(same)} prompts", file=sys.stderr)
+    return results
+
+
+def _throughput(args, llm, prompts, methods, sp, results) -> dict:
+    """{label: {batch: figures}}; batch 1 comes from the per-prompt run (all turns with --all-turns, where the
+    batched runs take first turns only)."""
+    table: dict[str, dict] = {}
+    for label, spec, _ in methods:
+        table[label] = {"1": bench.batch1_figures(results[label])}
+        for b in sorted(set(args.batch_sizes) - {1}):
+            fig, token_ids = bench.run_throughput(llm, prompts, spec, sp, b)
+            if sp.temperature == 0:
+                fig["greedy_equal_to_batch1"] = bench.greedy_equal(results[label], token_ids)
+                if not fig["greedy_equal_to_batch1"]:
+                    print(f"WARNING: {label}: greedy output at batch {b} differs from batch 1", file=sys.stderr)
+            print(f"T={sp.temperature} {label} batch {b}: {fig['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+            table[label][str(b)] = fig
+    return table
+
+
+def _profile(args, llm, prompts, methods, sp) -> dict:
+    """{label: draft/verify figures} for each speculative method over the first --profile-prompts prompts."""
+    out = {}
+    for label, spec, _ in methods:
+        if spec is not None and args.profile_prompts > 0:
+            out[label] = bench.run_profile(llm, prompts[:args.profile_prompts], spec, sp)
+    return out
+
+
 def run(args) -> int:
     from specjax.api import LLM
 
     prompts = bench.load_prompts(args.dataset, per_category=args.per_category, limit=args.limit)
-    methods = [bench.method_from_name(m) for m in args.methods]
-    if methods[0][0] != "plain":
-        methods.insert(0, ("plain", None))
+    methods = _methods(args.methods)
     llm = LLM(args.model, args.dtype)
     os.makedirs(args.out, exist_ok=True)
     report = {"environment": bench.environment(llm), "dataset": os.path.abspath(args.dataset),
-              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "runs": {}}
-    md = [f"# specjax benchmark: {llm.model_spec}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, batch 1\n",
+              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes,
+              "methods": {label: bench.method_info(name, spec) for label, spec, name in methods},
+              "runs": {}, "throughput": {}, "profile": {}}
+    md = [f"# specjax benchmark: {llm.model_spec}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
+          f"batch sizes {' '.join(map(str, args.batch_sizes))}\n",
           f"Command: `specjax bench {' '.join(sys.argv[2:])}`\n",
           "Environment: " + ", ".join(f"{k} {v}" for k, v in report["environment"].items()) + "\n"]
     try:
@@ -79,21 +164,7 @@ def run(args) -> int:
         tqdm = None
     for temp in args.temperatures:
         sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temp, seed=args.seed)
-        results = {}
-        for label, spec in methods:
-            bar = tqdm(total=len(prompts), desc=f"T={temp} {label}", file=sys.stderr) if tqdm else None
-
-            def tick(rec, bar=bar):
-                if bar:
-                    bar.update(1)
-                    bar.set_postfix(tok_s=f"{rec['new_tokens'] / rec['time']:.1f}")
-
-            results[label] = bench.run_requests(llm, prompts, spec, sp, args.all_turns, tick)
-            if bar:
-                bar.close()
-            if temp == 0 and label != "plain":
-                same = [a["token_ids"] == b["token_ids"] for a, b in zip(results["plain"], results[label])]
-                print(f"{label}: greedy output identical to plain on {sum(same)}/{len(same)} prompts", file=sys.stderr)
+        results = _batch1(args, llm, prompts, methods, sp, tqdm)
         if temp == 0:
             _run_peers(args, prompts, results)
         summary = bench.summarize(results)
@@ -103,6 +174,20 @@ def run(args) -> int:
         for png in bench.plot(summary, os.path.join(args.out, f"T{temp:g}"), title):
             md.append(f"![{os.path.basename(png)}]({os.path.basename(png)})\n")
         report["runs"][str(temp)] = {"summary": summary, "records": results}
+        if any(b > 1 for b in args.batch_sizes):
+            table = _throughput(args, llm, prompts, methods, sp, results)
+            report["throughput"][str(temp)] = table
+            md.append(bench.throughput_markdown(table, title))
+            if args.all_turns:
+                md.append("With --all-turns, batch 1 covers every turn; larger batches run first turns only.\n")
+            print(bench.throughput_markdown(table, title), file=sys.stderr)
+            for png in bench.plot_throughput(table, os.path.join(args.out, f"T{temp:g}_throughput.png"), title):
+                md.append(f"![{os.path.basename(png)}]({os.path.basename(png)})\n")
+        profile = _profile(args, llm, prompts, methods, sp)
+        if profile:
+            report["profile"][str(temp)] = profile
+            md.append(bench.profile_markdown(profile, title))
+            print(bench.profile_markdown(profile, title), file=sys.stderr)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(report, f, indent=1, default=_jsonable)
     with open(os.path.join(args.out, "report.md"), "w") as f:

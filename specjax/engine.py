@@ -143,14 +143,23 @@ def prefill(params: dict, config: LlamaConfig, buckets: Buckets, prompts: jax.Ar
 def decode_step(params: dict, config: LlamaConfig, state: DecodeState, sampling: SamplingArrays,
                 attention_fn=None) -> DecodeState:
     """One plain decode step for every sequence: forward the last token, sample, emit. Pure, not jitted."""
+    return decode_step_features(params, config, state, sampling, attention_fn)[0]
+
+
+def decode_step_features(params: dict, config: LlamaConfig, state: DecodeState, sampling: SamplingArrays,
+                         attention_fn=None, features: tuple = ()) -> tuple[DecodeState, jax.Array | None]:
+    """`decode_step` that also returns the target features of the decoded token ([B, 1, F], None without
+    `features`): a feature drafter backed off to plain decoding still needs them for its next proposal."""
     cache = state.cache
-    out = forward(params, config, state.last_token[:, None], cache.lengths[:, None], cache, attention_fn=attention_fn)
+    out = forward(params, config, state.last_token[:, None], cache.lengths[:, None], cache, attention_fn=attention_fn,
+                  hidden_layers=feature_layers(features))
     probs = process_logits(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p)
     tok = sample(probs, uniforms(sampling.seed, state.step, ())).astype(jnp.int32)
     running = state.finish == FINISH_RUNNING
     cache = out.cache._replace(lengths=cache.lengths + running.astype(jnp.int32))
     state = state._replace(cache=cache, step=state.step + running.astype(jnp.int32))
-    return emit(state, tok[:, None], jnp.ones_like(tok), sampling)
+    feats = target_features(out, features) if features else None
+    return emit(state, tok[:, None], jnp.ones_like(tok), sampling), feats
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention_fn"), donate_argnames=("state",))

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from specjax import acceptance
 from specjax.drafters.base import DraftContext, Proposal
-from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step, emit, feature_layers, prefill_core,
-                            target_features)
+from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step_features, emit, feature_layers,
+                            prefill_core, target_features)
 from specjax.kv_cache import compact
 from specjax.models.llama import LlamaConfig, forward
 from specjax.sampling import SamplingArrays, process_logits, uniforms
@@ -191,11 +191,16 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
     def plain(state):
         old_new = state.dec.num_new
         state = state._replace(dstate=drafter.observe_plain(dparams, state.dstate, context(state, sampling)))
-        dec = decode_step(params, config, state.dec, sampling, attention_fn)
+        dec, feats = decode_step_features(params, config, state.dec, sampling, attention_fn, drafter.features)
         r = (state.dec.finish == FINISH_RUNNING).astype(jnp.int32)
         stats = state.stats._replace(plain_steps=state.stats.plain_steps + r)
+        hidden = state.hidden
+        if feats is not None:
+            # The decoded token (the old root) is now the last committed node: its feature alone, count 1.
+            pad = jnp.zeros((feats.shape[0], hidden[0].shape[1] - 1, feats.shape[-1]), hidden[0].dtype)
+            hidden = (jnp.concatenate([feats.astype(hidden[0].dtype), pad], axis=1), jnp.ones_like(hidden[1]))
         return state._replace(dec=dec, history=_write_history(state.history, state.prompt_lens, old_new, dec),
-                              stats=stats, idle=state.idle + 1)
+                              stats=stats, idle=state.idle + 1, hidden=hidden)
 
     def speculative(state):
         ctx = context(state, sampling)
@@ -216,12 +221,11 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
             gain = jnp.where(had, adaptive.decay * state.gain + (1 - adaptive.decay) * got, state.gain)
             return new._replace(gain=gain, idle=jnp.where(had, 0, state.idle + 1))
 
-        if not allow_cond or state.hidden is not None:
-            # Feature drafters need the verify forward's features every step, so they never take the plain path.
+        if not allow_cond:
             return verify(state)
         return jax.lax.cond(jnp.any(had), verify, plain, state)
 
-    if not allow_cond or adaptive is None or state.hidden is not None:
+    if not allow_cond or adaptive is None:
         return speculative(state)
     # The verify forward costs the same for every row of the batch (fixed shapes), so speculate only when the
     # batch as a whole expects enough accepted tokens: the mean gain over running rows, non-wanting rows as 0.

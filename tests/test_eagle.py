@@ -104,6 +104,11 @@ def bigram():
     return config, params, hcfg, head
 
 
+# Back-off on every other step: a verify step (idle 0) makes no row want to speculate, the plain step after it
+# (idle 1 = probe_every) makes every row probe again.
+ALTERNATE = spec_engine.Adaptive(min_gain=1e9, probe_every=1)
+
+
 def plain_outputs(params, config, drafter):
     b = buckets_for(drafter)
     outs, _ = outputs(run_plain(params, config, b, PROMPTS, make_sampling(BATCH, max_new=MAX_NEW)), BATCH)
@@ -111,17 +116,19 @@ def plain_outputs(params, config, drafter):
 
 
 # ============================================================================================ greedy exactness
-@pytest.mark.parametrize("kind", ["eagle3", pytest.param("eagle", marks=pytest.mark.slow)])
-def test_dynamic_tree_greedy_matches_plain(target, heads, kind):
+@pytest.mark.parametrize("kind,back_off", [("eagle3", False), pytest.param("eagle", False, marks=pytest.mark.slow),
+                                           ("eagle3", True)])
+def test_dynamic_tree_greedy_matches_plain(target, heads, kind, back_off):
     config, params = target
     hcfg, hp = heads[kind]
     drafter = EagleDrafter(hcfg, **TREE)
     want = plain_outputs(params, config, drafter)
     st = run_spec(params, config, dparams_for(params, hp), drafter, buckets_for(drafter), PROMPTS,
-                  make_sampling(BATCH, max_new=MAX_NEW))
+                  make_sampling(BATCH, max_new=MAX_NEW), adaptive=ALTERNATE if back_off else None)
     got, _ = outputs(st.dec, BATCH)
     assert got == want
     assert int(np.sum(st.stats.verify_steps)) > 0
+    assert (int(np.sum(st.stats.plain_steps)) > 0) == back_off
 
 
 @pytest.mark.slow
@@ -185,17 +192,24 @@ def _candidates(dparams, drafter, state, sampling):
     return drafter.candidates(dparams, state.dstate, spec_engine.context(state, sampling))[:3]
 
 
-@pytest.mark.parametrize("kind", ["eagle3", pytest.param("eagle", marks=pytest.mark.slow)])
-def test_tree_candidates_equal_scratch_head_after_verify_steps(target, heads, kind):
+@pytest.mark.parametrize("kind,adaptive,steps", [
+    ("eagle3", None, 3), pytest.param("eagle", None, 3, marks=pytest.mark.slow), ("eagle3", ALTERNATE, 6),
+    ("eagle", ALTERNATE, 5)], ids=["eagle3", "eagle", "eagle3-with-plain-steps", "eagle-with-plain-steps"])
+def test_tree_candidates_equal_scratch_head_after_verify_steps(target, heads, kind, adaptive, steps):
     """Every candidate's token and cumulative score equal a from-scratch unroll of the head on target features
-    recomputed over the committed history (after 3 verify steps with varying accept counts): the head's cache,
-    positions and tree attention at every level agree with the training path."""
+    recomputed over the committed history (after verify steps with varying accept counts, and with the engine's
+    back-off taking plain steps in between): the head's cache, positions and tree attention at every level agree
+    with the training path."""
     config, params = target
     hcfg, hp = heads[kind]
     drafter = EagleDrafter(hcfg, **TREE)
     dp = dparams_for(params, hp)
     sampling = make_sampling(BATCH, max_new=MAX_NEW)
-    st = run_spec(params, config, dp, drafter, buckets_for(drafter), PROMPTS, sampling, max_steps=3)
+    st = run_spec(params, config, dp, drafter, buckets_for(drafter), PROMPTS, sampling, max_steps=steps,
+                  adaptive=adaptive)
+    if adaptive is not None:
+        plain_steps = np.asarray(st.stats.plain_steps)
+        assert plain_steps.min() >= 2 and np.asarray(st.stats.verify_steps).min() >= 2, plain_steps
     tok, score, parent = (np.asarray(a) for a in _candidates(dp, drafter, st, sampling))
     hist = np.asarray(st.history)
     k = drafter.top_k

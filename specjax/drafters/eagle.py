@@ -110,8 +110,10 @@ class EagleDrafter:
         return dstate
 
     def observe_plain(self, dparams, dstate, ctx: DraftContext):
-        # Feature drafters never take the engine's plain path (it has no features to hand over).
-        return dstate
+        # The engine decodes plainly this step and hands over only the decoded token's feature next time, so the
+        # pairs still pending from the last verify step go into the head's cache now (a repeat after a propose
+        # of this step rewrites the same slots with the same values).
+        return self._append(dparams, dstate, ctx)[1]
 
     # ------------------------------------------------------------------------------------------ propose
     def _append(self, dparams, cache: KVCache, ctx: DraftContext):
