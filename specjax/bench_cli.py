@@ -137,6 +137,10 @@ def _throughput(args, llm, prompts, methods, sp, results) -> dict:
 def _profile(args, llm, prompts, methods, sp) -> dict:
     """{label: draft/verify figures} for each speculative method over the first --profile-prompts prompts."""
     out = {}
+    if llm.backend == "neuron" and args.profile_prompts > 0:
+        # spec_api's host-stepped loop runs the default program, not the Neuron one being benchmarked
+        print("draft/verify profile skipped: it does not run the Neuron program", file=sys.stderr)
+        return out
     for label, spec, _ in methods:
         if spec is not None and args.profile_prompts > 0:
             out[label] = bench.run_profile(llm, prompts[:args.profile_prompts], spec, sp)

@@ -12,11 +12,14 @@ returns P), for the draft model (iid acceptance) and the n-gram drafter (determi
 draft samples with top-p but reports a q computed without it. A draft that ignores top-p for both sampling and
 q is NOT a bug (acceptance is lossless for any q that is what was sampled), and the test must pass it.
 Planted variants run under a fresh drafter subclass, so no compiled program is shared with the honest runs.
+Deterministic trees with siblings (a static Medusa tree, an EAGLE-2 dynamic tree) go through the same tests; their
+planted bug is the same residual one, which there lets a rejected sibling come back as the correction token.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -177,11 +180,39 @@ def fresh(drafter, **overrides):
     return cls(**{f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)})
 
 
-def drafter_for(name: str, draft):
+def drafter_for(name: str, draft, target=None):
+    """(drafter, dparams): chains ("draft_model", "ngram") and deterministic trees with siblings ("medusa": a
+    static 5-node tree from two random heads; "eagle": an EAGLE-2 dynamic tree of 6 nodes from a perturbed
+    EAGLE-1 head)."""
     if name == "draft_model":
         dcfg, dparams = draft
         return DraftModelDrafter(dcfg, GAMMA, V), {"params": dparams}
-    return NgramDrafter(GAMMA, 1, 2), {}
+    if name == "ngram":
+        return NgramDrafter(GAMMA, 1, 2), {}
+    config, params = target
+    if name == "medusa":
+        from specjax.drafters.medusa import MedusaDrafter
+        from specjax.heads.medusa import MedusaConfig, draft_params, init_heads
+
+        mc = MedusaConfig(num_heads=2, hidden_size=config.hidden_size, vocab_size=V)
+        heads = init_heads(mc, jax.random.PRNGKey(7), scale=0.3)
+        return (MedusaDrafter(mc, ((0,), (1,), (0, 0), (1, 0), (0, 1))), draft_params(mc, heads, params))
+    if name == "eagle":
+        from specjax.drafters.eagle import EagleDrafter
+        from specjax.heads.eagle import head_config, init_from_target
+
+        hc = head_config(config, "eagle")
+        head = init_from_target(hc, params, -1)
+        leaves, treedef = jax.tree_util.tree_flatten(head)
+        keys = jax.random.split(jax.random.PRNGKey(8), len(leaves))
+        head = jax.tree_util.tree_unflatten(treedef, [a + 0.1 * jax.random.normal(k, a.shape, a.dtype)
+                                                      for a, k in zip(leaves, keys)])
+        return EagleDrafter(hc, top_k=3, depth=2, total_tokens=6), {"head": head, "embed": params["embed"],
+                                                                    "lm_head": params["lm_head"]}
+    raise AssertionError(name)
+
+
+TREES = ["medusa", "eagle"]
 
 
 def report(label: str, res: dict, extra: str = "") -> str:
@@ -201,10 +232,10 @@ def test_plain_sampling_matches_the_exact_distribution(target, prompt, exact_log
     assert res["p"] > PASS_P, line
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method,setting", [(m, s) for m in ("draft_model", "ngram") for s in SETTINGS]
+                         + [(m, s) for m in TREES for s in ("t1", "top_k")])
 def test_speculative_sampling_matches_the_exact_distribution(target, draft, prompt, exact_logits, method, setting):
-    drafter, dparams = drafter_for(method, draft)
+    drafter, dparams = drafter_for(method, draft, target)
     samples = sample_sequences(target, prompt, SETTINGS[setting], drafter, dparams, base_seed=10 ** 6)
     res = joint_test(samples, exact_joint(exact_logits, SETTINGS[setting]))
     line = report(f"{method} {setting}", res)
@@ -227,26 +258,36 @@ def test_speculative_sampling_with_back_off_matches_the_exact_distribution(targe
     assert np.all(np.asarray(st.plain_steps) == 1) and np.all(np.asarray(st.verify_steps) >= 1)
 
 
-def acceptance_rate(target, prompt, drafter, dparams, setting: dict) -> float:
+def acceptance_rate(target, prompt, drafter, dparams, setting: dict, per_step: bool = False) -> float:
+    """Accepted / drafted tokens, or accepted tokens per verify step (`per_step`)."""
     config, params = target
     sampling = make_sampling(ROWS, seed=np.arange(ROWS), max_new=NEW, **setting)
     st = run_spec(params, config, dparams, drafter, BUCKETS, [prompt] * ROWS, sampling).stats
-    return float(np.asarray(st.accepted).sum() / max(1, np.asarray(st.drafted).sum()))
+    den = st.verify_steps if per_step else st.drafted
+    return float(np.asarray(st.accepted).sum() / max(1, np.asarray(den).sum()))
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram"] + TREES)
 def test_acceptance_is_neither_rare_nor_certain(target, draft, prompt, method):
     """The statistical tests only have power if drafts are often accepted and often rejected (thousands of
     each over a run of 16k sequences)."""
-    drafter, dparams = drafter_for(method, draft)
+    drafter, dparams = drafter_for(method, draft, target)
+    if method in TREES:
+        # Most siblings are rejected by construction (at most one child per node is accepted), so a tree's
+        # per-node rate is low; what matters is that steps accept something often and not always everything.
+        gain = acceptance_rate(target, prompt, drafter, dparams, SETTINGS["t1"], per_step=True)
+        print(f"{method}: {gain:.3f} accepted tokens per verify step at temperature 1")
+        assert 0.1 < gain < 0.9 * drafter.tree.max_depth, gain
+        return
     rate = acceptance_rate(target, prompt, drafter, dparams, SETTINGS["t1"])
     print(f"{method}: acceptance rate {rate:.3f} at temperature 1")
     assert 0.1 < rate < 0.9, rate
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle"])
 def test_planted_bug_residual_not_updated_is_caught(target, draft, prompt, exact_logits, method, monkeypatch):
-    drafter, dparams = drafter_for(method, draft)
+    """For a tree, the bug lets a rejected sibling be sampled again as the correction."""
+    drafter, dparams = drafter_for(method, draft, target)
     monkeypatch.setattr(acceptance, "residual", lambda P, Q: P)
     samples = sample_sequences(target, prompt, SETTINGS["t1"], fresh(drafter), dparams, base_seed=2 * 10 ** 6)
     res = joint_test(samples, exact_joint(exact_logits, SETTINGS["t1"]))
