@@ -113,6 +113,8 @@ def _batch1(args, llm, prompts, methods, sp, tqdm) -> dict:
             bar.close()
         if sp.temperature == 0 and label != "plain":
             same = [a["token_ids"] == b["token_ids"] for a, b in zip(results["plain"], results[label])]
+            for r, ok in zip(results[label], same):
+                r["identical_to_plain"] = ok
             print(f"{label}: greedy output identical to plain on {sum(same)}/{len(same)} prompts", file=sys.stderr)
     return results
 
@@ -127,6 +129,7 @@ def _throughput(args, llm, prompts, methods, sp, results) -> dict:
             fig, token_ids = bench.run_throughput(llm, prompts, spec, sp, b)
             if sp.temperature == 0:
                 fig["greedy_equal_to_batch1"] = bench.greedy_equal(results[label], token_ids)
+                fig["greedy_equal_to_plain_batch1"] = bench.greedy_equal(results["plain"], token_ids)
                 if not fig["greedy_equal_to_batch1"]:
                     print(f"WARNING: {label}: greedy output at batch {b} differs from batch 1", file=sys.stderr)
             print(f"T={sp.temperature} {label} batch {b}: {fig['tokens_per_s']:.1f} tok/s", file=sys.stderr)

@@ -76,13 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     from specjax.compare import add_arguments as compare_arguments
 
     compare_arguments(cp)
-    tn = sub.add_parser("tune", help="measure costs and acceptance, pick gamma, compare predicted and measured speedup")
+    tn = sub.add_parser("tune", help="measure costs and acceptance, pick gamma (chain methods) or the draft tree size "
+                                     "(medusa, eagle, eagle3), compare predicted and measured speedup")
     _common(tn)
     tn.add_argument("--dataset", required=True, help="prompt file (Spec-Bench format, JSONL or text)")
     tn.add_argument("--per-category", type=int, default=1)
     tn.add_argument("--limit", type=int, default=8)
-    tn.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 4, 6, 8])
-    tn.add_argument("--no-validate", action="store_true", help="skip measuring every gamma")
+    tn.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 4, 6, 8],
+                    help="candidate gammas (ngram, draft_model, suffix)")
+    tn.add_argument("--tree-sizes", dest="tree_sizes", type=int, nargs="+", default=[4, 8, 12, 20, 32],
+                    help="candidate draft tree sizes, root excluded (medusa: the first N paths of the heads' default "
+                         "tree; eagle/eagle3: total_tokens N at depth min(depth, N)); sizes the method cannot "
+                         "build are skipped with a message")
+    tn.add_argument("--no-validate", action="store_true", help="skip measuring every candidate end to end")
     tn.add_argument("--json", help="write the full result here")
     th = sub.add_parser("train-head", help="train a draft model, Medusa heads or an EAGLE/EAGLE-3 head from a YAML "
                                            "config (e.g. train/eagle3); rerun to resume")
@@ -211,8 +217,12 @@ def cmd_tune(args) -> int:
         raise ConfigError("tune needs a speculative method: pass --config methods/<name> or --method")
     prompts = [p.turns[0] for p in bench.load_prompts(args.dataset, per_category=args.per_category, limit=args.limit)]
     llm = _llm(cfg)
-    result = tune.tune(llm, cfg.speculative, prompts, args.gammas, cfg.sampling.max_new_tokens,
-                       validate=not args.no_validate)
+    try:
+        result = tune.tune(llm, cfg.speculative, prompts, args.gammas, cfg.sampling.max_new_tokens,
+                           validate=not args.no_validate, tree_sizes=args.tree_sizes)
+    except tune.TuneError as e:
+        print(f"specjax: error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -111,6 +111,10 @@ def adaptive_rule(drafter, spec: SpeculativeConfig):
     # pays gamma draft forwards.
     if isinstance(drafter, DraftModelDrafter):
         return spec_engine.Adaptive(min_gain=0.9)
+    if drafter.features:
+        # Head drafters (Medusa, EAGLE) verify trees of 8-33 nodes and run a head per level: a step costs several
+        # plain steps on this CPU, so they need more accepted tokens, and probe rarely once they backed off.
+        return spec_engine.Adaptive(min_gain=max(0.9, 0.1 * drafter.tree.num_nodes), probe_every=64)
     return spec_engine.Adaptive(min_gain=0.5)
 
 

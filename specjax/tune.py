@@ -1,6 +1,8 @@
-"""Cost model and tuner: pick the speculation length that maximises predicted tokens/s on this hardware.
+"""Cost model and tuner: pick the speculation length (chain drafters) or the draft tree size (tree drafters) that
+maximises predicted tokens/s on this hardware.
 
-Model (Leviathan et al. 2023, generalised to measured per-position acceptance and measured costs):
+Chain drafters (ngram, draft_model, suffix) -- Leviathan et al. 2023, generalised to measured per-position
+acceptance and measured costs:
     one verify step with gamma drafted tokens yields  E[tokens | gamma] = 1 + sum_{k <= gamma} P(depth k accepted)
     and costs                                           t_draft(gamma) + t_verify(gamma + 1)
     predicted tokens/s = E[tokens | gamma] / cost;  plain decoding = 1 / t_verify(1).
@@ -8,12 +10,18 @@ With i.i.d. acceptance alpha, E[tokens | gamma] = (1 - alpha^(gamma+1)) / (1 - a
 that circulates); that closed form is printed next to the measured one. P(depth k accepted) comes from one
 measurement run at the largest gamma: for a chain, truncating it to gamma' does not change whether the first
 gamma' tokens are accepted, so one run gives the curve for every shorter gamma.
+
+Tree drafters (medusa, eagle, eagle3): a size s is s drafted nodes (root excluded). Which path wins depends on
+every branch kept, and an EAGLE tree re-ranks its candidates with the budget, so acceptance cannot be read off one
+run by truncation: it is measured at every size. A step yields E[tokens | s] = 1 + accepted / verify step and costs
+t_draft(s) + t_verify(s + 1). For eagle/eagle3 size s is total_tokens = s with depth min(depth, s); for medusa it
+is the first s paths of the heads' default tree, which is ordered best-first, so every prefix is a valid tree.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +29,40 @@ import numpy as np
 
 from specjax.config import SamplingParams, SpeculativeConfig
 
+TREE_METHODS = ("medusa", "eagle", "eagle3")
+DEFAULT_GAMMAS = (1, 2, 4, 6, 8)
+DEFAULT_TREE_SIZES = (4, 8, 12, 20, 32)
+TOLERANCE = 0.15  # |predicted - measured| / measured speedup the cost model should stay within
+
+
+class TuneError(ValueError):
+    """The tuner cannot run with these settings; the message says which and how to fix them."""
+
 
 @dataclasses.dataclass
 class Costs:
     verify_s: dict[int, float]  # tokens per target forward -> seconds
-    draft_s: dict[int, float]  # gamma -> seconds of one propose
+    draft_s: dict[int, float]  # gamma (chain) or tree size -> seconds of one propose
+
+
+@dataclasses.dataclass
+class Acceptance:
+    """Speculation counts summed over the prompts of one measurement run."""
+
+    accepted: int = 0
+    drafted: int = 0
+    verify_steps: int = 0
+    plain_steps: int = 0  # steps with nothing proposed (an n-gram miss): one plain forward, one token
+    per_position_accepted: list = dataclasses.field(default_factory=list)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def expected_tokens(self) -> float:
+        """Tokens per verify step: the accepted drafts plus the one the target samples itself."""
+        return 1.0 + self.accepted / max(self.verify_steps, 1)
 
 
 def _best_time(f, *args, reps: int = 5) -> float:
@@ -55,25 +92,40 @@ def measure_verify_costs(llm, sizes: Sequence[int], context: int = 256, capacity
     return out
 
 
-def measure_draft_costs(llm, spec: SpeculativeConfig, gammas: Sequence[int], prompt: list[int]) -> dict[int, float]:
-    """Seconds of one propose of each gamma (0 for host-side or free drafters is measured too)."""
+def measure_draft_cost(llm, spec: SpeculativeConfig, prompt: list[int]) -> float:
+    """Seconds of one propose of the drafter `spec` builds (any drafter, chain or tree) after prefilling `prompt`;
+    0 for host-side drafters, whose proposals are timed by the generation itself."""
     from specjax import engine, spec_engine
     from specjax.api import pad_prompts
     from specjax.spec_api import build_drafter
 
-    out = {}
-    for g in gammas:
-        s = dataclasses.replace(spec, num_speculative_tokens=g)
-        drafter, dparams = build_drafter(llm, s)
-        if getattr(drafter, "host_side", False):
-            out[g] = 0.0  # host proposals are timed by the generation itself
-            continue
-        b = engine.make_buckets(1, len(prompt), 64, extra_slots=drafter.tree.num_nodes)
-        toks, lens, act = pad_prompts([prompt], b.batch, b.prompt_len)
-        sampling = llm.sampling_arrays([SamplingParams(max_new_tokens=64)], b.batch, b.num_stop)
-        st = spec_engine.spec_prefill(llm.params, llm.config, dparams, drafter, b, toks, lens, act, sampling)
-        out[g] = _best_time(lambda: spec_engine.propose_jit(dparams, drafter, st, sampling))
-    return out
+    drafter, dparams = build_drafter(llm, spec)
+    if getattr(drafter, "host_side", False):
+        return 0.0
+    b = engine.make_buckets(1, len(prompt), 64, extra_slots=drafter.tree.num_nodes)
+    toks, lens, act = pad_prompts([prompt], b.batch, b.prompt_len)
+    sampling = llm.sampling_arrays([SamplingParams(max_new_tokens=64)], b.batch, b.num_stop)
+    st = spec_engine.spec_prefill(llm.params, llm.config, dparams, drafter, b, toks, lens, act, sampling)
+    return _best_time(lambda: spec_engine.propose_jit(dparams, drafter, st, sampling))
+
+
+def measure_draft_costs(llm, spec: SpeculativeConfig, gammas: Sequence[int], prompt: list[int]) -> dict[int, float]:
+    """Seconds of one propose of each gamma (0 for host-side or free drafters is measured too)."""
+    return {g: measure_draft_cost(llm, dataclasses.replace(spec, num_speculative_tokens=g), prompt) for g in gammas}
+
+
+def measure_acceptance(llm, spec: SpeculativeConfig, prompts: list, sp: SamplingParams, width: int) -> Acceptance:
+    """Acceptance counts of `spec` over the prompts at batch 1; per-position counts cut/padded to `width`."""
+    acc = Acceptance(per_position_accepted=[0] * width)
+    for p in prompts:
+        m = llm.generate([p], sp, spec, chat=True)[0].metrics
+        pos = list(m.per_position_accepted)[:width]
+        acc.per_position_accepted = [a + b for a, b in zip(acc.per_position_accepted, pos + [0] * (width - len(pos)))]
+        acc.verify_steps += m.verify_steps
+        acc.plain_steps += m.target_forwards - 1 - m.verify_steps
+        acc.accepted += m.accepted
+        acc.drafted += m.drafted
+    return acc
 
 
 def expected_tokens(pos_accepted: np.ndarray, steps: int, gamma: int) -> float:
@@ -82,27 +134,112 @@ def expected_tokens(pos_accepted: np.ndarray, steps: int, gamma: int) -> float:
 
 
 def leviathan_expected_tokens(alpha: float, gamma: int) -> float:
+    """E[tokens per step] of a gamma chain under i.i.d. acceptance alpha: 1 + alpha + ... + alpha^gamma."""
     if alpha >= 1.0:
         return gamma + 1.0
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def _prediction(costs: Costs, key: int, e: float, steps: int, plain_steps: int) -> dict:
+    """Predicted tokens/s of one setting: `steps` verify steps of E[tokens] = e over t_draft(key) + t_verify(key + 1),
+    plus `plain_steps` plain forwards of one token each."""
+    plain = 1.0 / costs.verify_s[1]
+    step = costs.draft_s.get(key, 0.0) + costs.verify_s[key + 1]
+    tokens = plain_steps + steps * e
+    seconds = plain_steps * costs.verify_s[1] + steps * step
+    tps = tokens / seconds
+    return {"expected_tokens": e, "step_s": step, "tokens_per_s": tps, "speedup": tps / plain}
 
 
 def predict(costs: Costs, pos_accepted: np.ndarray, steps: int, gammas: Sequence[int],
             plain_steps: int = 0) -> dict[int, dict]:
     """Predicted tokens/s per gamma. `plain_steps` are steps where nothing was proposed (an n-gram miss): they
     cost one plain forward and yield one token whatever gamma is."""
-    plain = 1.0 / costs.verify_s[1]
-    out = {}
-    for g in gammas:
-        e = expected_tokens(pos_accepted, steps, g)
-        step = costs.draft_s.get(g, 0.0) + costs.verify_s[g + 1]
-        tokens = plain_steps + steps * e
-        seconds = plain_steps * costs.verify_s[1] + steps * step
-        tps = tokens / seconds
-        out[g] = {"expected_tokens": e, "step_s": step, "tokens_per_s": tps, "speedup": tps / plain}
-    return out
+    return {g: _prediction(costs, g, expected_tokens(pos_accepted, steps, g), steps, plain_steps) for g in gammas}
 
 
+def predict_tree(costs: Costs, acceptance: dict[int, Acceptance]) -> dict[int, dict]:
+    """Predicted tokens/s per tree size s from the acceptance measured at that size:
+    (1 + accepted / verify step) / (t_draft(s) + t_verify(s + 1)), plain steps (if any) at one token each."""
+    return {s: _prediction(costs, s, a.expected_tokens, a.verify_steps, a.plain_steps)
+            for s, a in acceptance.items()}
+
+
+def choose(pred: dict[int, dict]) -> int:
+    """The setting with the largest predicted tokens/s (the smaller one on a tie: cheaper to run)."""
+    return max(sorted(pred), key=lambda k: pred[k]["tokens_per_s"])
+
+
+# ============================================================================================ tree sizes
+def eagle_tree_sizes(top_k: int, depth: int, sizes: Sequence[int]) -> tuple[dict[int, tuple[int, int]], list[str]]:
+    """({size: (depth, total_tokens)}, skip messages) for an EAGLE tree of `top_k` and at most `depth` levels.
+
+    Size s drafts s nodes at depth min(depth, s); the expansion yields top_k + (d - 1) * top_k^2 candidates, so
+    larger sizes cannot be filled and are skipped."""
+    valid, skipped = {}, []
+    for s in sorted(set(sizes)):
+        d = min(depth, s)
+        most = top_k + (d - 1) * top_k ** 2
+        if s < 1:
+            skipped.append(f"tree size {s} skipped: a tree drafts at least 1 node")
+        elif s > most:
+            skipped.append(f"tree size {s} skipped: top_k {top_k} and depth {d} generate only {most} candidates "
+                           "(top_k + (depth - 1) * top_k^2); raise top_k to try it")
+        else:
+            valid[s] = (d, s)
+    return valid, skipped
+
+
+def medusa_tree_choices(base: Sequence[Sequence[int]], sizes: Sequence[int]) -> tuple[dict[int, tuple], list[str]]:
+    """({size: the first `size` paths of `base`}, skip messages). `base` is a tree ordered best-first (each path
+    after its parent); a size above len(base) is skipped and the whole tree tried in its place. A prefix that is
+    not a tree (a path before its parent) is skipped too."""
+    from specjax.tree import TreeError, from_choices, validate_choices
+
+    base = validate_choices(base)
+    wanted = sorted(set(sizes))
+    skipped = [f"tree size {s} skipped: a tree drafts at least 1 node" for s in wanted if s < 1]
+    over = [s for s in wanted if s > len(base)]
+    if over:
+        skipped.append(f"tree size(s) {', '.join(map(str, over))} skipped: the heads' default tree has only "
+                       f"{len(base)} paths; trying {len(base)}")
+    valid = {}
+    for s in sorted({s for s in wanted if 1 <= s <= len(base)} | ({len(base)} if over else set())):
+        choices = base[:s]
+        try:
+            from_choices(choices)
+        except TreeError as e:
+            skipped.append(f"tree size {s} skipped: its first {s} paths are not a tree ({e})")
+            continue
+        valid[s] = choices
+    return valid, skipped
+
+
+def tree_configs(llm, spec: SpeculativeConfig, sizes: Sequence[int]) -> tuple[dict[int, SpeculativeConfig], list[str]]:
+    """({size: the SpeculativeConfig drafting that many nodes, back-off off}, skip messages) for a tree method."""
+    from specjax.spec_api import build_drafter
+
+    if spec.method == "medusa":
+        drafter, _ = build_drafter(llm, dataclasses.replace(spec, tree_choices=None))
+        found, skipped = medusa_tree_choices(drafter.choices, sizes)
+        if spec.tree_choices is not None:
+            skipped.insert(0, f"configured tree_choices ({len(spec.tree_choices)} paths) not used: sizes are "
+                              "prefixes of the heads' best-first default tree")
+        return {s: dataclasses.replace(spec, tree_choices=c, adaptive=False) for s, c in found.items()}, skipped
+    if spec.method in ("eagle", "eagle3"):
+        found, skipped = eagle_tree_sizes(spec.top_k, spec.depth, sizes)
+        return {s: dataclasses.replace(spec, depth=d, total_tokens=t, adaptive=False)
+                for s, (d, t) in found.items()}, skipped
+    raise TuneError(f"method {spec.method!r} drafts a chain, not a tree; tune its gamma instead "
+                     f"(tree methods: {', '.join(TREE_METHODS)})")
+
+
+def _tree_depth(spec: SpeculativeConfig) -> int:
+    """Deepest drafted level of a config from `tree_configs`."""
+    return max(map(len, spec.tree_choices)) if spec.method == "medusa" else spec.depth
+
+
+# ============================================================================================ validation
 def run_tokens_per_s(llm, prompts: list, spec: SpeculativeConfig | None, sp: SamplingParams) -> tuple[float, list]:
     """Measured tokens/s over the prompts at batch 1 (compile excluded), plus the outputs."""
     llm.generate(prompts[:1], sp, spec, chat=True)
@@ -118,52 +255,113 @@ def run_tokens_per_s(llm, prompts: list, spec: SpeculativeConfig | None, sp: Sam
     return toks / t_total, outs
 
 
-def tune(llm, spec: SpeculativeConfig, prompts: list, gammas: Sequence[int] = (1, 2, 4, 6, 8),
-         max_new_tokens: int = 64, validate: bool = True, log=print) -> dict:
-    """Measure costs and acceptance, choose gamma, then (validate) measure every gamma for the comparison."""
+def validate_settings(llm, prompts: list, sp: SamplingParams, settings: dict[int, SpeculativeConfig],
+                      pred: dict[int, dict], chosen: int, label: str,
+                      columns: Sequence[tuple[str, Callable[[int], float]]], log=print) -> dict:
+    """Measure plain decoding and every setting end to end, print predicted against measured speedup (one row per
+    setting; `columns` are extra (header, value of setting) columns), and say whether the chosen setting's error is
+    within TOLERANCE. Returns the entries `tune` adds to its result."""
+    plain_tps, _ = run_tokens_per_s(llm, prompts, None, sp)
+    measured = {}
+    for k, s in settings.items():
+        tps, _ = run_tokens_per_s(llm, prompts, s, sp)
+        measured[k] = {"tokens_per_s": tps, "speedup": tps / plain_tps}
+    errors = {k: (pred[k]["speedup"] - measured[k]["speedup"]) / measured[k]["speedup"] for k in settings}
+    w = max(3, len(label))
+    log(f"{label:>{w}} " + "".join(f"{h:>{max(len(h), 6)}} " for h, _ in columns)
+        + f"{'pred x':>7} {'meas x':>7} {'error':>6}")
+    for k in settings:
+        log(f"{k:>{w}} " + "".join(f"{f(k):>{max(len(h), 6)}.2f} " for h, f in columns)
+            + f"{pred[k]['speedup']:>7.2f} {measured[k]['speedup']:>7.2f} {100 * errors[k]:>5.0f}%"
+            + ("  <- chosen" if k == chosen else ""))
+    fastest = max(measured, key=lambda k: measured[k]["tokens_per_s"])
+    ok = abs(errors[chosen]) <= TOLERANCE
+    log(f"chosen {label}={chosen}: measured {measured[chosen]['speedup']:.2f}x; fastest measured {label}={fastest}: "
+        f"{measured[fastest]['speedup']:.2f}x")
+    log(f"chosen {label}={chosen}: predicted speedup error {100 * errors[chosen]:+.1f}% "
+        f"({'within' if ok else 'OUTSIDE'} the {100 * TOLERANCE:.0f}% target)")
+    return {"plain_tokens_per_s": plain_tps, "measured": measured, "errors": errors, "measured_fastest": fastest,
+            "chosen_error": errors[chosen], "chosen_within_tolerance": ok}
+
+
+# ============================================================================================ tuners
+def _log_verify_costs(costs: Costs, log) -> None:
+    log("  " + ", ".join(f"{n}: {1000 * t:.1f} ms" for n, t in costs.verify_s.items()))
+
+
+def tune(llm, spec: SpeculativeConfig, prompts: list, gammas: Sequence[int] = DEFAULT_GAMMAS,
+         max_new_tokens: int = 64, validate: bool = True, log=print,
+         tree_sizes: Sequence[int] = DEFAULT_TREE_SIZES) -> dict:
+    """Measure costs and acceptance and choose gamma (chain methods, from `gammas`) or the tree size (medusa, eagle,
+    eagle3, from `tree_sizes`); then (validate) measure every candidate end to end for the comparison."""
+    if spec.method in TREE_METHODS:
+        return tune_tree(llm, spec, prompts, tree_sizes, max_new_tokens, validate, log)
     sp = SamplingParams(max_new_tokens=max_new_tokens)
     gmax = max(gammas)
     log(f"measuring target forward cost for 1..{gmax + 1} tokens")
     costs = Costs(measure_verify_costs(llm, range(1, gmax + 2)), {})
-    log("  " + ", ".join(f"{n}: {1000 * t:.1f} ms" for n, t in costs.verify_s.items()))
+    _log_verify_costs(costs, log)
     first = llm.encode_prompt(prompts[0], True)
     costs.draft_s = measure_draft_costs(llm, spec, gammas, first)
     log("draft cost per propose: " + ", ".join(f"γ={g}: {1000 * t:.1f} ms" for g, t in costs.draft_s.items()))
     probe = dataclasses.replace(spec, num_speculative_tokens=gmax, adaptive=False)
     log(f"measuring acceptance at γ={gmax} on {len(prompts)} prompts")
-    pos = np.zeros(gmax)
-    steps = plain_steps = 0
-    accepted = drafted = 0
-    for p in prompts:
-        m = llm.generate([p], sp, probe, chat=True)[0].metrics
-        pos += np.asarray(m.per_position_accepted, float)[:gmax]
-        steps += m.verify_steps
-        plain_steps += m.target_forwards - 1 - m.verify_steps
-        accepted += m.accepted
-        drafted += m.drafted
-    alpha = accepted / drafted if drafted else 0.0
-    pred = predict(costs, pos, steps, gammas, plain_steps)
-    best = max(pred, key=lambda g: pred[g]["tokens_per_s"])
+    acc = measure_acceptance(llm, probe, prompts, sp, gmax)
+    pos = np.asarray(acc.per_position_accepted, float)
+    alpha = acc.alpha
+    pred = predict(costs, pos, acc.verify_steps, gammas, acc.plain_steps)
+    best = choose(pred)
     result = {"costs": dataclasses.asdict(costs), "alpha": alpha, "per_position_accepted": pos.tolist(),
-              "verify_steps": steps, "plain_steps": plain_steps, "prediction": pred, "chosen_gamma": best}
+              "verify_steps": acc.verify_steps, "plain_steps": acc.plain_steps, "prediction": pred,
+              "chosen_gamma": best}
     log(f"alpha {alpha:.3f}; predicted best γ = {best} ({pred[best]['speedup']:.2f}x)")
     if validate:
-        plain_tps, _ = run_tokens_per_s(llm, prompts, None, sp)
-        measured = {}
-        for g in gammas:
-            # Back-off off, as in the model; production runs keep it on for the chosen gamma.
-            s = dataclasses.replace(spec, num_speculative_tokens=g, adaptive=False)
-            tps, _ = run_tokens_per_s(llm, prompts, s, sp)
-            measured[g] = {"tokens_per_s": tps, "speedup": tps / plain_tps}
-        result.update(plain_tokens_per_s=plain_tps, measured=measured)
-        log(f"{'γ':>3} {'E[tok] meas':>11} {'E[tok] Leviathan':>16} {'pred x':>7} {'meas x':>7} {'error':>6}")
-        for g in gammas:
-            p, m = pred[g], measured[g]
-            err = (p["speedup"] - m["speedup"]) / m["speedup"]
-            log(f"{g:>3} {p['expected_tokens']:>11.2f} {leviathan_expected_tokens(alpha, g):>16.2f} "
-                f"{p['speedup']:>7.2f} {m['speedup']:>7.2f} {100 * err:>5.0f}%" + ("  <- chosen" if g == best else ""))
-        fastest = max(measured, key=lambda g: measured[g]["tokens_per_s"])
-        result["measured_fastest_gamma"] = fastest
-        log(f"chosen γ={best}: measured {measured[best]['speedup']:.2f}x; fastest measured γ={fastest}: "
-            f"{measured[fastest]['speedup']:.2f}x")
+        # Back-off off, as in the model; production runs keep it on for the chosen gamma.
+        settings = {g: dataclasses.replace(spec, num_speculative_tokens=g, adaptive=False) for g in gammas}
+        v = validate_settings(llm, prompts, sp, settings, pred, best, "γ",
+                              [("E[tok] meas", lambda g: pred[g]["expected_tokens"]),
+                               ("E[tok] Leviathan", lambda g: leviathan_expected_tokens(alpha, g))], log)
+        v["measured_fastest_gamma"] = v.pop("measured_fastest")
+        result.update(v)
+    return result
+
+
+def tune_tree(llm, spec: SpeculativeConfig, prompts: list, tree_sizes: Sequence[int] = DEFAULT_TREE_SIZES,
+              max_new_tokens: int = 64, validate: bool = True, log=print) -> dict:
+    """Choose the draft tree size of a tree method (medusa, eagle, eagle3): measure the verify cost of s + 1 tokens,
+    the draft cost and the acceptance at every valid size s, predict tokens/s, pick the best; then (validate)
+    measure every size end to end."""
+    sp = SamplingParams(max_new_tokens=max_new_tokens)
+    settings, skipped = tree_configs(llm, spec, tree_sizes)
+    for msg in skipped:
+        log(msg)
+    if not settings:
+        raise TuneError(f"no valid tree size among {list(tree_sizes)} for method {spec.method!r}; pass "
+                         "--tree-sizes with sizes the method allows (see the messages above)")
+    sizes = sorted(settings)
+    log(f"measuring target forward cost for {', '.join(str(n) for n in [1] + [s + 1 for s in sizes])} tokens")
+    costs = Costs(measure_verify_costs(llm, sorted({1} | {s + 1 for s in sizes})), {})
+    _log_verify_costs(costs, log)
+    first = llm.encode_prompt(prompts[0], True)
+    costs.draft_s = {s: measure_draft_cost(llm, settings[s], first) for s in sizes}
+    log("draft cost per propose: " + ", ".join(f"s={s}: {1000 * t:.1f} ms" for s, t in costs.draft_s.items()))
+    log(f"measuring acceptance at tree sizes {', '.join(map(str, sizes))} on {len(prompts)} prompts")
+    acceptance = {s: measure_acceptance(llm, settings[s], prompts, sp, _tree_depth(settings[s])) for s in sizes}
+    pred = predict_tree(costs, acceptance)
+    best = choose(pred)
+    tree = {s: ({"tree_choices": [list(c) for c in settings[s].tree_choices]} if spec.method == "medusa"
+                else {"top_k": settings[s].top_k, "depth": settings[s].depth, "total_tokens": settings[s].total_tokens})
+            for s in sizes}
+    result = {"method": spec.method, "tree_sizes": sizes, "skipped": skipped, "trees": tree,
+              "costs": dataclasses.asdict(costs),
+              "acceptance": {s: dataclasses.asdict(a) | {"alpha": a.alpha} for s, a in acceptance.items()},
+              "prediction": pred, "chosen_tree_size": best}
+    log(f"predicted best tree size = {best} ({pred[best]['expected_tokens']:.2f} tokens/step, "
+        f"{pred[best]['speedup']:.2f}x)")
+    if validate:
+        v = validate_settings(llm, prompts, sp, settings, pred, best, "size",
+                              [("E[tok] meas", lambda s: pred[s]["expected_tokens"]),
+                               ("alpha", lambda s: acceptance[s].alpha)], log)
+        v["measured_fastest_tree_size"] = v.pop("measured_fastest")
+        result.update(v)
     return result

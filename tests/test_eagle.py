@@ -143,7 +143,8 @@ def test_chain_greedy_matches_plain(target, heads, kind):
     assert outputs(st.dec, BATCH)[0] == want
 
 
-@pytest.mark.parametrize("chain", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("chain", [False, True])
 def test_perfect_head_accepts_every_draft_on_the_top1_path(bigram, chain):
     config, params, hcfg, head = bigram
     depth = 3

@@ -152,6 +152,7 @@ def test_oracle_drafts_with_reference_attention(reference):
     assert got == reference and np.all(stats.accepted > 0)
 
 
+@pytest.mark.slow
 def test_ngram_with_kernel_matches_reference(reference):
     got, stats = spec_greedy(PARAMS, CFG, NgramDrafter(GAMMA), {}, PROMPTS, MAX_NEW, KERNELS["pallas_triton"])
     assert got == reference

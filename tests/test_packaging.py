@@ -11,6 +11,7 @@ from __future__ import annotations
 import configparser
 import importlib.util
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -119,6 +120,16 @@ def test_wheel_contains_every_config_yaml(names):
 
 
 @pytest.mark.slow
+def test_wheel_contains_the_shipped_weights(names):
+    """The draft model and the heads the method configs default to are package data, with their READMEs."""
+    base = pathlib.Path(__file__).resolve().parent.parent / "specjax" / "assets"
+    shipped = sorted(p.name for p in base.iterdir() if p.is_dir())
+    assert {"smollm2-135m-draft", "smollm2-135m-medusa", "smollm2-135m-eagle", "smollm2-135m-eagle3"} <= set(shipped)
+    for d in shipped:
+        for f in ("config.json", "model.safetensors", "README.md"):
+            assert f"specjax/assets/{d}/{f}" in names, f"specjax/assets/{d}/{f} missing from the wheel"
+
+
 def test_wheel_has_no_stray_top_level_packages(names):
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"specjax", next(t for t in tops if t.endswith(".dist-info"))}, sorted(tops)

@@ -177,6 +177,7 @@ def test_chain_acceptance_counts_leading_matches():
 
 
 # ------------------------------------------------------------------------------------------ training
+@pytest.mark.slow
 def test_train_steps_reduce_loss(target):
     a = _toy_arrays()
     d2t = D.select_draft_vocab(a, 48, TINY.vocab_size)
@@ -213,6 +214,7 @@ def _write_tiny_target(path, params):
     save_file(t, os.path.join(path, "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_resume_continues_from_last_checkpoint(tmp_path, target):
     tdir, data, out = str(tmp_path / "target"), str(tmp_path / "d.npz"), str(tmp_path / "run")
     _write_tiny_target(tdir, target)

@@ -1,0 +1,186 @@
+"""The tuner (specjax.tune): cost-model arithmetic, tree-size candidates, and one end-to-end tree tune.
+
+* predict / predict_tree with hand-made costs and acceptance give the hand-computed tokens/s and pick the
+  setting a hand computation picks (and a different one when the acceptance changes).
+* leviathan_expected_tokens equals the geometric sum 1 + alpha + ... + alpha^gamma and tends to gamma + 1.
+* Medusa sizes are prefixes of the best-first tree: of the right length and prefix-closed; oversize requests are
+  capped to the whole tree, and a prefix that is not a tree is skipped. EAGLE sizes the expansion cannot fill are
+  skipped with a message.
+* tune() on a tiny random target with a tiny EAGLE head (validate=True, 2 tiny prompts) picks the size with the
+  best predicted tokens/s among the valid candidates and returns the documented, JSON-serialisable keys.
+"""
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import tune
+from specjax.config import SpeculativeConfig
+from specjax.drafters.medusa import DEFAULT_CHOICES, choices_from_accuracy
+from specjax.tree import from_choices
+
+from spec_helpers import tiny_config, tiny_llm, tiny_params
+
+V = 64
+LAYERS = 3
+PROMPTS = [[7, 3, 9, 12, 40, 7, 3, 9], [33, 17, 50, 2, 61, 8, 8, 19, 44]]
+
+
+def _closed(choices) -> bool:
+    have = {tuple(c) for c in choices}
+    return all(tuple(c[:-1]) in have for c in choices if len(c) > 1)
+
+
+# ============================================================================================ arithmetic
+def test_predict_chain_matches_hand_computation():
+    costs = tune.Costs({1: 0.010, 2: 0.011, 3: 0.012, 5: 0.015}, {1: 0.001, 2: 0.002, 4: 0.004})
+    pos = np.array([8.0, 6.0, 3.0, 1.0])  # accepted counts at depth 1..4 over 10 verify steps
+    pred = tune.predict(costs, pos, 10, [1, 2, 4])
+    # gamma 1: E = 1.8, step 0.012; gamma 2: E = 2.4, step 0.014; gamma 4: E = 2.8, step 0.019
+    want = {1: 1.8 / 0.012, 2: 2.4 / 0.014, 4: 2.8 / 0.019}
+    for g, tps in want.items():
+        assert pred[g]["tokens_per_s"] == pytest.approx(tps)
+        assert pred[g]["speedup"] == pytest.approx(tps * 0.010)
+    assert tune.choose(pred) == 2
+    # 5 plain steps (nothing proposed) at one token and one plain forward each: (5 + 24) / (0.05 + 0.14)
+    assert tune.predict(costs, pos, 10, [2], plain_steps=5)[2]["tokens_per_s"] == pytest.approx(29 / 0.19)
+    # Deep acceptance makes the longest chain pay off.
+    assert tune.choose(tune.predict(costs, np.array([10.0, 10, 10, 10]), 10, [1, 2, 4])) == 4
+
+
+def test_predict_tree_matches_hand_computation_and_picks_the_best_size():
+    costs = tune.Costs({1: 0.010, 5: 0.012, 9: 0.016}, {4: 0.002, 8: 0.003})
+    acc = {4: tune.Acceptance(accepted=30, drafted=80, verify_steps=20),
+           8: tune.Acceptance(accepted=44, drafted=160, verify_steps=20)}
+    pred = tune.predict_tree(costs, acc)
+    assert pred[4]["expected_tokens"] == pytest.approx(2.5)
+    assert pred[4]["tokens_per_s"] == pytest.approx(2.5 / 0.014)
+    assert pred[8]["tokens_per_s"] == pytest.approx(3.2 / 0.019)
+    assert pred[8]["speedup"] == pytest.approx(3.2 / 0.019 * 0.010)
+    assert tune.choose(pred) == 4
+    acc[8] = tune.Acceptance(accepted=60, drafted=160, verify_steps=20)  # E = 4: 210 tok/s beats 179
+    assert tune.choose(tune.predict_tree(costs, acc)) == 8
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.95])
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+def test_leviathan_closed_form_is_the_geometric_sum(alpha, gamma):
+    assert tune.leviathan_expected_tokens(alpha, gamma) == pytest.approx(sum(alpha ** k for k in range(gamma + 1)))
+
+
+def test_leviathan_limit_alpha_to_one():
+    for gamma in (1, 4, 8):
+        assert tune.leviathan_expected_tokens(1.0, gamma) == gamma + 1
+        assert tune.leviathan_expected_tokens(1 - 1e-7, gamma) == pytest.approx(gamma + 1, rel=1e-5)
+        assert tune.leviathan_expected_tokens(0.999, gamma) < gamma + 1
+
+
+# ============================================================================================ tree sizes
+def test_medusa_sizes_are_prefix_closed_prefixes_of_the_default_tree():
+    found, skipped = tune.medusa_tree_choices(DEFAULT_CHOICES, [1, 4, 8, 12, 20, 32])
+    n = len(DEFAULT_CHOICES)
+    assert sorted(found) == [1, 4, 8, 12, n]  # 20 and 32 capped to the whole tree
+    assert len(skipped) == 1 and "20, 32" in skipped[0] and str(n) in skipped[0]
+    for s, choices in found.items():
+        assert choices == DEFAULT_CHOICES[:s] and len(choices) == s
+        assert _closed(choices)
+        assert from_choices(choices)[0].num_nodes == s + 1
+
+
+def test_best_first_trees_have_prefix_closed_prefixes():
+    acc = np.sort(np.random.default_rng(0).uniform(0.05, 0.9, (4, 6)), axis=1)[:, ::-1]
+    base = choices_from_accuracy(acc, 30)
+    found, skipped = tune.medusa_tree_choices(base, range(1, 31))
+    assert not skipped and sorted(found) == list(range(1, 31))
+    assert all(_closed(c) for c in found.values())
+
+
+def test_medusa_prefix_that_is_not_a_tree_is_skipped():
+    base = ((0,), (0, 0), (1, 0), (1,))  # (1, 0) comes before its parent (1,)
+    found, skipped = tune.medusa_tree_choices(base, [2, 3, 4])
+    assert sorted(found) == [2, 4]
+    assert len(skipped) == 1 and "tree size 3" in skipped[0]
+
+
+def test_invalid_eagle_sizes_are_skipped_with_a_message():
+    # top_k 3, depth 3: at most 3 + 2 * 9 = 21 candidates; size 2 is a depth-2 tree
+    found, skipped = tune.eagle_tree_sizes(3, 3, [2, 8, 21, 22, 40])
+    assert found == {2: (2, 2), 8: (3, 8), 21: (3, 21)}
+    assert len(skipped) == 2
+    assert "tree size 22" in skipped[0] and "21 candidates" in skipped[0] and "top_k" in skipped[0]
+    assert "tree size 40" in skipped[1]
+    # a top-1 "tree" is a chain: no size beyond its depth
+    assert tune.eagle_tree_sizes(1, 4, [2, 4, 5])[0] == {2: (2, 2), 4: (4, 4)}
+
+
+def test_chain_method_has_no_tree_sizes():
+    llm = tiny_llm(tiny_config(V), tiny_params(tiny_config(V), seed=0))
+    with pytest.raises(tune.TuneError, match="chain"):
+        tune.tree_configs(llm, SpeculativeConfig(method="ngram"), [4])
+
+
+# ============================================================================================ tiny models
+@pytest.fixture(scope="module")
+def target():
+    config = tiny_config(V, num_layers=LAYERS)
+    return config, tiny_params(config, seed=0)
+
+
+def test_medusa_tree_configs_use_the_heads_default_tree(target, tmp_path):
+    from specjax.heads.medusa import MedusaConfig, init_heads
+    from specjax.heads_io_medusa import save_medusa
+
+    config, params = target
+    hcfg = MedusaConfig(num_heads=3, hidden_size=config.hidden_size, vocab_size=V)
+    save_medusa(str(tmp_path), hcfg, init_heads(hcfg, jax.random.PRNGKey(1), scale=0.3), dtype="float32")
+    spec = SpeculativeConfig(method="medusa", model=str(tmp_path), num_speculative_tokens=3,
+                             tree_choices=((0,), (0, 0)))
+    settings, skipped = tune.tree_configs(tiny_llm(config, params), spec, [2, 6, 40])
+    base = tuple(c for c in DEFAULT_CHOICES if len(c) <= 3)  # the default cut to the 3 heads
+    assert sorted(settings) == [2, 6, len(base)]
+    for s, sc in settings.items():
+        assert sc.tree_choices == base[:s] and not sc.adaptive
+    assert "configured tree_choices" in skipped[0] and "40" in skipped[1]
+
+
+@pytest.mark.slow  # ~50 s on 2 loaded cores: compiling the speculative loop at each size dominates
+def test_tune_tree_end_to_end_on_a_tiny_eagle_head(target, tmp_path):
+    from specjax.heads.eagle import head_config, init_from_target
+    from specjax.heads_io import save_head
+
+    config, params = target
+    hcfg = head_config(config, "eagle")
+    head = init_from_target(hcfg, params, -1)
+    rng = np.random.default_rng(1)  # perturbed so the head is not a pass-through copy of the target's last layer
+    head = jax.tree_util.tree_map(
+        lambda a: a if a.dtype.kind in "iu" else a + 0.05 * rng.standard_normal(a.shape).astype(a.dtype), head)
+    save_head(str(tmp_path), hcfg, head, dtype="float32")
+    spec = SpeculativeConfig(method="eagle", model=str(tmp_path), top_k=3, depth=3, total_tokens=8)
+    lines = []
+    result = tune.tune(tiny_llm(config, params), spec, PROMPTS, max_new_tokens=12, validate=True,
+                       log=lines.append, tree_sizes=(2, 6, 40))
+    text = "\n".join(lines)
+    assert result["tree_sizes"] == [2, 6] and "tree size 40 skipped" in text
+    assert result["chosen_tree_size"] in (2, 6)
+    pred = result["prediction"]
+    assert result["chosen_tree_size"] == max(pred, key=lambda s: pred[s]["tokens_per_s"])
+    assert result["trees"] == {2: {"top_k": 3, "depth": 2, "total_tokens": 2},
+                               6: {"top_k": 3, "depth": 3, "total_tokens": 6}}
+    for s in (2, 6):
+        a = result["acceptance"][s]
+        assert 0 <= a["accepted"] <= a["drafted"] and a["verify_steps"] > 0
+        assert pred[s]["expected_tokens"] == pytest.approx(1 + a["accepted"] / a["verify_steps"])
+        assert result["costs"]["verify_s"][s + 1] > 0 and result["costs"]["draft_s"][s] > 0
+        assert result["measured"][s]["tokens_per_s"] > 0
+        m = result["measured"][s]["speedup"]
+        assert result["errors"][s] == pytest.approx((pred[s]["speedup"] - m) / m)
+    assert set(result) >= {"method", "skipped", "costs", "acceptance", "prediction", "chosen_tree_size",
+                           "plain_tokens_per_s", "measured", "measured_fastest_tree_size", "chosen_error",
+                           "chosen_within_tolerance"}
+    assert result["measured_fastest_tree_size"] in (2, 6)
+    assert result["chosen_within_tolerance"] == (abs(result["chosen_error"]) <= 0.15)
+    assert "<- chosen" in text and "% target" in text
+    json.loads(json.dumps(result))  # what `specjax tune --json` writes
