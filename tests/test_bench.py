@@ -262,3 +262,12 @@ def test_bad_counts_are_refused_before_any_work(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit):
         main(["bench", "--dataset", str(tmp_path / "never-read.jsonl"), flag, value])
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_tree_methods_are_labelled_by_their_shape():
+    """Tree and chain forms of one head get distinct labels naming the shape (side-by-side tables)."""
+    assert bench.method_from_name("eagle3")[0] == "eagle3(tree 4x4, 12 nodes)"
+    assert bench.method_from_name("eagle3_chain")[0] == "eagle3(chain 4)"
+    assert bench.method_from_name("medusa_chain")[0] == "medusa(chain 4)"
+    assert bench.method_from_name("medusa_typical")[0] == "medusa(15 nodes) LOSSY"
+    assert bench.method_from_name("ngram")[0] == "ngram(k=4)"
