@@ -38,6 +38,7 @@ import numpy as np
 
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward
+from specjax.train.common import checkpoint_manager as _checkpoint_manager, make_optimizer, read_metrics as _read_metrics
 
 DRAFT_KEY = "specjax_draft"
 _LAYER_NAMES = {  # specjax layer param -> HF tensor suffix; matrices are stored transposed ([out, in])
@@ -334,14 +335,6 @@ def loss_and_metrics(train: dict, frozen: dict, config: LlamaConfig, batch: dict
     return loss, {"loss": loss, "agree": jnp.sum(match) / count}
 
 
-def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
-    import optax
-
-    warmup = max(1, min(warmup, steps - 1)) if steps > 1 else 1
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.05)
-    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay)), schedule
-
-
 @functools.partial(jax.jit, static_argnames=("config", "optimizer", "hard_weight"), donate_argnums=(0, 1))
 def train_step(train: dict, opt_state, frozen: dict, batch: dict, *, config: LlamaConfig, optimizer,
                hard_weight: float):
@@ -407,13 +400,6 @@ def evaluate(train: dict, frozen: dict, config: LlamaConfig, targets: dict, batc
 
 
 # ============================================================================================ loop
-def _checkpoint_manager(out: str, every: int):
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")), options=options)
-
-
 _RUN_KEYS = ("data", "init_layers", "draft_vocab", "batch", "bucket", "steps", "lr", "warmup", "weight_decay", "hard_weight",
              "seed", "target")
 
@@ -538,18 +524,6 @@ def train(args) -> dict:
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
-
-
-def _read_metrics(path: str, upto: int) -> list[dict]:
-    """Metrics logged up to step `upto` (a resumed run drops what was logged after its checkpoint)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
-    recs = [r for r in recs if r["step"] <= upto]
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in recs)
-    return recs
 
 
 def plot_curve(history: list[dict], path: str) -> None:

@@ -38,6 +38,7 @@ from specjax.heads.eagle import HeadConfig, default_eagle3_layers, head_config, 
     unrolled_hidden
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward
+from specjax.train.common import checkpoint_manager as _checkpoint_manager, make_optimizer, read_metrics as _read_metrics
 
 
 class HeadTrainError(ValueError):
@@ -197,14 +198,6 @@ def total_loss(train, frozen, cfg, batch, unroll, ce_weight, reg_weight, step_de
     return jnp.sum(w * per_step) / jnp.sum(w), s
 
 
-def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
-    import optax
-
-    warmup = max(1, min(warmup, steps - 1)) if steps > 1 else 1
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.05)
-    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay)), schedule
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "optimizer", "unroll", "ce_weight", "reg_weight", "step_decay"),
                    donate_argnums=(0, 1))
 def train_step(train, opt_state, frozen, batch, *, cfg: HeadConfig, optimizer, unroll: int, ce_weight: float,
@@ -303,13 +296,6 @@ def evaluate(train, frozen_eval, cfg, arrays, feats, targets, rows, unroll, batc
 _RUN_KEYS = ("kind", "data", "target", "steps", "batch", "bucket", "lr", "warmup", "weight_decay", "clip", "unroll",
              "init_layer", "draft_vocab", "loss_vocab", "feature_layers", "ce_weight", "reg_weight", "step_decay",
              "seed", "max_len")
-
-
-def _checkpoint_manager(out: str, every: int):
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")), options=options)
 
 
 def train(args) -> dict:
@@ -471,18 +457,6 @@ def train(args) -> dict:
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
-
-
-def _read_metrics(path: str, upto: int) -> list[dict]:
-    """Metrics logged up to step `upto` (a resumed run drops what was logged after its checkpoint)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
-    recs = [r for r in recs if r["step"] <= upto]
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in recs)
-    return recs
 
 
 def plot_curves(history: list[dict], path: str, kind: str) -> None:

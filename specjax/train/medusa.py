@@ -36,6 +36,7 @@ import numpy as np
 from specjax.heads.medusa import MedusaConfig, head_hidden, head_logits, init_heads, target_lm_rows
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward
+from specjax.train.common import checkpoint_manager, make_optimizer, read_metrics as _read_metrics
 
 EVAL_RANKS = 10  # ranks per head measured on held-out data (the default tree uses ranks below this)
 
@@ -183,14 +184,6 @@ def loss_fn(blocks, lm, x, batch, hard_weight):
                                 "top1": jnp.sum(hit, axis=0) / count}
 
 
-def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
-    import optax
-
-    warmup = max(1, min(warmup, steps - 1)) if steps > 1 else 1
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.05)
-    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay)), schedule
-
-
 @functools.partial(jax.jit, static_argnames=("optimizer", "hard_weight"), donate_argnums=(0, 1))
 def train_step(blocks, opt_state, lm, x, batch, *, optimizer, hard_weight: float):
     """One AdamW step on the head blocks (donated with the optimizer state); the LM head stays frozen."""
@@ -312,9 +305,7 @@ def train(args) -> dict:
     blocks = init_heads(hcfg, jax.random.PRNGKey(args.seed), jnp.float32,
                         token_map=token_map)["blocks"]
     opt_state = optimizer.init(blocks)
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.checkpoint_every,
-                                           enable_async_checkpointing=False)
-    mngr = ocp.CheckpointManager(os.path.abspath(os.path.join(args.out, "checkpoints")), options=options)
+    mngr = checkpoint_manager(args.out, args.checkpoint_every)
     start = 0
     if mngr.latest_step() is not None:
         start = mngr.latest_step()
@@ -427,18 +418,6 @@ def _load_all(paths: list[str], load_dataset) -> tuple[dict, dict]:
     meta = dict(loaded[0][1])
     meta["files"] = [m for _, m in loaded]
     return out, meta
-
-
-def _read_metrics(path: str, upto: int) -> list[dict]:
-    """Metrics logged up to step `upto` (a resumed run drops what was logged after its checkpoint)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
-    recs = [r for r in recs if r["step"] <= upto]
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in recs)
-    return recs
 
 
 def plot_curves(history: list[dict], path: str) -> None:
