@@ -37,3 +37,17 @@ def read_metrics(path: str, upto: int) -> list[dict]:
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in recs)
     return recs
+
+
+def pyplot_or_none(path: str):
+    """matplotlib.pyplot on the Agg backend, or None (with a note naming the missing extra) when matplotlib is
+    absent: a finished training run must not fail at its last step over a plot."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed (pip install 'specjax[plots]'): no training curves at {path}")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

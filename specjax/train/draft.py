@@ -38,7 +38,7 @@ import numpy as np
 
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward
-from specjax.train.common import checkpoint_manager as _checkpoint_manager, make_optimizer, read_metrics as _read_metrics
+from specjax.train.common import checkpoint_manager as _checkpoint_manager, make_optimizer, pyplot_or_none, read_metrics as _read_metrics
 
 DRAFT_KEY = "specjax_draft"
 _LAYER_NAMES = {  # specjax layer param -> HF tensor suffix; matrices are stored transposed ([out, in])
@@ -528,10 +528,9 @@ def train(args) -> dict:
 
 def plot_curve(history: list[dict], path: str) -> None:
     """Training loss and top-1 agreement (smoothed) with the held-out evaluations, to a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot_or_none(path)
+    if plt is None:
+        return
 
     tr = [r for r in history if r.get("kind") == "train"]
     ev = [r for r in history if r.get("kind") == "eval"]

@@ -38,7 +38,7 @@ from specjax.heads.eagle import HeadConfig, default_eagle3_layers, head_config, 
     unrolled_hidden
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward
-from specjax.train.common import checkpoint_manager as _checkpoint_manager, make_optimizer, read_metrics as _read_metrics
+from specjax.train.common import checkpoint_manager as _checkpoint_manager, make_optimizer, pyplot_or_none, read_metrics as _read_metrics
 
 
 class HeadTrainError(ValueError):
@@ -461,13 +461,9 @@ def train(args) -> dict:
 
 def plot_curves(history: list[dict], path: str, kind: str) -> None:
     """Loss and top-1 agreement per unroll step (train smoothed, held-out points) to a PNG."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed (pip install 'specjax[plots]'): no training curves at {path}")
+    plt = pyplot_or_none(path)
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     tr = [r for r in history if r.get("kind") == "train"]
     ev = [r for r in history if r.get("kind") == "eval"]

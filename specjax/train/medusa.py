@@ -36,7 +36,7 @@ import numpy as np
 from specjax.heads.medusa import MedusaConfig, head_hidden, head_logits, init_heads, target_lm_rows
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward
-from specjax.train.common import checkpoint_manager, make_optimizer, read_metrics as _read_metrics
+from specjax.train.common import checkpoint_manager, make_optimizer, pyplot_or_none, read_metrics as _read_metrics
 
 EVAL_RANKS = 10  # ranks per head measured on held-out data (the default tree uses ranks below this)
 
@@ -422,10 +422,9 @@ def _load_all(paths: list[str], load_dataset) -> tuple[dict, dict]:
 
 def plot_curves(history: list[dict], path: str) -> None:
     """Loss and top-1 accuracy per head against the step (train smoothed, held-out as markers), to a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot_or_none(path)
+    if plt is None:
+        return
 
     tr = [r for r in history if r["kind"] == "train"]
     ev = [r for r in history if r["kind"] == "eval"]
