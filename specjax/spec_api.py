@@ -156,11 +156,14 @@ def generate(llm, prompts, ids, params, spec: SpeculativeConfig, *, profile: boo
             llm._drafters["suffix_global"] = [SuffixIndex(drafter.max_depth, max_sequences=SUFFIX_GLOBAL_SEQS), 0]
         glob = llm._drafters["suffix_global"]
         host = SuffixHostState(drafter, glob[0], ids)
+    adaptive = adaptive_rule(drafter, spec)
+    key = ("break_even", spec, b.batch)
     if host is not None or profile:
-        state, draft_time, verify_time = host_loop(llm, drafter, dparams, state, sampling, n, host)
+        # Profiling times every drafted step, so it never backs off; host-side drafters back off on the host.
+        state, draft_time, verify_time = host_loop(llm, drafter, dparams, state, sampling, n, host,
+                                                   None if profile else adaptive, key)
     else:
-        state = spec_engine.spec_loop(llm.params, llm.config, dparams, drafter, state, sampling, jnp.int32(2 ** 30),
-                                      attention_fn=llm._attention_fn, adaptive=adaptive_rule(drafter, spec))
+        state = device_loop(llm, drafter, dparams, state, sampling, adaptive, key)
     jax.block_until_ready(state.dec.num_new)
     total = time.perf_counter() - t0
     if host is not None:
@@ -175,27 +178,133 @@ def generate(llm, prompts, ids, params, spec: SpeculativeConfig, *, profile: boo
 SUFFIX_GLOBAL_SEQS = 256  # earlier generations kept in the global suffix cache (FIFO)
 
 
-def host_loop(llm, drafter, dparams, state, sampling, n, host=None):
+NO_LIMIT = 2 ** 30
+CALIBRATION_STEPS = 6  # steps timed per kind (speculative, plain) on the first generation of a config
+
+
+def device_loop(llm, drafter, dparams, state, sampling, adaptive, key):
+    """Run `spec_loop` to the end. With a back-off rule, the first generation of a (config, batch bucket)
+    calibrates its break-even on this hardware (`calibrate`); later ones reuse it from the LLM's cache."""
+    def run(state, steps: int, min_gain: float):
+        return spec_engine.spec_loop(llm.params, llm.config, dparams, drafter, state, sampling, jnp.int32(steps),
+                                     attention_fn=llm._attention_fn, adaptive=adaptive,
+                                     min_gain=jnp.float32(min_gain))
+
+    if adaptive is None:
+        return spec_engine.spec_loop(llm.params, llm.config, dparams, drafter, state, sampling,
+                                     jnp.int32(NO_LIMIT), attention_fn=llm._attention_fn)
+    floor = llm._drafters.get(key)
+    if floor is None:
+        state, floor = calibrate(run, state)
+        if floor is not None:
+            llm._drafters[key] = floor
+    return run(state, NO_LIMIT, adaptive.min_gain if floor is None else floor)
+
+
+def calibrate(run, state, steps: int = CALIBRATION_STEPS, clock=time.perf_counter):
+    """Measure the back-off break-even on this hardware from the generation's own first steps (they emit real
+    tokens: both kinds of step are lossless). One warm-up step compiles; then `steps` forced-speculative and
+    `steps` forced-plain steps are timed. A speculative step costs `ratio` plain steps and yields 1 + gain
+    tokens, so speculation pays while gain >= ratio - 1. Returns (state, break-even gain, or None when the
+    generation ended or never verified before there was enough to time).
+
+    run(state, steps, min_gain) -> state runs the jitted loop (`min_gain` is traced: nothing recompiles);
+    clock() -> seconds.
+    """
+    force_spec, force_plain = -1e9, 1e9
+    state = run(state, 1, force_spec)
+
+    def timed(state, k, g):
+        c0 = np.asarray(state.counts)
+        t = clock()
+        state = run(state, k, g)
+        c1 = np.asarray(state.counts)  # waits for the loop
+        return state, clock() - t, c1 - c0
+
+    state, t_spec, c_spec = timed(state, steps, force_spec)
+    state, t_plain, c_plain = timed(state, steps, force_plain)
+    if c_plain[0] == 0 or c_spec[1] == 0:
+        return state, None
+    per_plain = t_plain / c_plain[0]
+    per_verify = (t_spec - (c_spec[0] - c_spec[1]) * per_plain) / c_spec[1]
+    return state, max(0.0, per_verify / per_plain - 1.0)
+
+
+def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=None, key=None):
     """Step from the host: propose (jitted, or on the host for host-side drafters), then the jitted
-    verify+accept. Returns (state, draft seconds, verify seconds)."""
+    verify+accept. Returns (state, draft seconds, verify seconds).
+
+    With `adaptive`, the same back-off as the device loop (see `spec_engine.Adaptive`), with the break-even
+    measured from this loop's own step times (the first step of each kind compiles and is not counted) and
+    kept in the LLM's cache under `key`; a step where no row wants to or can speculate is a plain decode.
+    """
     draft_t = verify_t = 0.0
-    while np.any(np.asarray(state.dec.finish)[:n] == engine.FINISH_RUNNING):
+    B = state.dec.finish.shape[0]
+    gain = np.full(B, np.inf)
+    idle = np.zeros(B, np.int64)
+    floor = None if adaptive is None else llm._drafters.get(key, adaptive.min_gain)
+    times = {"plain": [], "verify": []}  # per-step seconds, compile step dropped
+
+    def plain(state):
+        t = time.perf_counter()
+        state = spec_engine.plain_step_jit(llm.params, llm.config, dparams, drafter, state, sampling,
+                                           attention_fn=llm._attention_fn)
+        jax.block_until_ready(state.dec.num_new)
+        times["plain"].append(time.perf_counter() - t)
+        return state
+
+    while True:
+        finish = np.asarray(state.dec.finish)
+        running = finish == engine.FINISH_RUNNING
+        if not np.any(running[:n]):
+            break
+        if adaptive is not None:
+            g = np.where(np.isinf(gain), floor + 1, gain)
+            want = (g >= floor) | (idle >= adaptive.probe_every)
+            batch_gain = np.sum(np.where(want & running, np.maximum(g, floor), 0.0)) / max(1, running.sum())
+            if batch_gain < floor and not np.any(running & (idle >= 4 * adaptive.probe_every)):
+                state = plain(state)
+                idle += 1
+                if host is not None:
+                    host.observe(state, n)
+                continue
         t = time.perf_counter()
         if host is not None:
             proposal, dstate = host.propose(state, n), state.dstate
         else:
             proposal, dstate = spec_engine.propose_jit(dparams, drafter, state, sampling)
+        if adaptive is not None:
+            node = np.arange(proposal.valid.shape[1])[None, :]
+            proposal = proposal._replace(valid=proposal.valid & jnp.asarray(want[:, None] | (node == 0)))
         jax.block_until_ready(proposal.tokens)
         t2 = time.perf_counter()
+        had = np.any(np.asarray(proposal.valid)[:, 1:], axis=1) & running
         state = state._replace(dstate=dstate)
-        state = spec_engine.verify_accept_jit(llm.params, llm.config, drafter.tree, drafter.mode, state, proposal,
-                                              sampling, attention_fn=llm._attention_fn, features=drafter.features)
-        jax.block_until_ready(state.dec.num_new)
-        t3 = time.perf_counter()
-        draft_t += t2 - t
-        verify_t += t3 - t2
+        if adaptive is not None and not np.any(had):
+            draft_t += t2 - t
+            state = plain(state)
+            idle += 1
+        else:
+            before = np.asarray(state.stats.accepted)
+            state = spec_engine.verify_accept_jit(llm.params, llm.config, drafter.tree, drafter.mode, state,
+                                                  proposal, sampling, attention_fn=llm._attention_fn,
+                                                  features=drafter.features)
+            jax.block_until_ready(state.dec.num_new)
+            t3 = time.perf_counter()
+            draft_t += t2 - t
+            verify_t += t3 - t2
+            times["verify"].append(t3 - t)
+            if adaptive is not None:
+                got = np.asarray(state.stats.accepted) - before
+                g = np.where(np.isinf(gain), floor + 1, gain)
+                gain = np.where(had, adaptive.decay * g + (1 - adaptive.decay) * got, gain)
+                idle = np.where(had, 0, idle + 1)
         if host is not None:
             host.observe(state, n)
+        if adaptive is not None and len(times["plain"]) > 1 and len(times["verify"]) > 1:
+            ratio = np.median(times["verify"][1:]) / np.median(times["plain"][1:])
+            floor = max(0.0, float(ratio) - 1.0)
+            llm._drafters[key] = floor
     return state, draft_t, verify_t
 
 

@@ -46,10 +46,15 @@ class SpecStats(NamedTuple):
 class Adaptive:
     """Per-sequence back-off, so that speculation is never much slower than plain decoding.
 
-    Each sequence keeps a running mean of accepted tokens per verify step (`gain`). Below `min_gain` it stops
-    speculating (its proposals are masked out, which is lossless: a root-only tree is a plain step) and decodes
-    plainly; after `probe_every` plain steps it tries again. When no sequence of the batch speculates, the step
-    is a plain one-token decode (where the compile policy allows `lax.cond`).
+    Each sequence keeps a running mean of accepted tokens per verify step (`gain`, seeded optimistically at
+    `min_gain + 1` before its first verify). A speculative step yields 1 + gain tokens for the cost of
+    `ratio` plain steps, so it pays while gain >= ratio - 1: that break-even is `min_gain`. Below it the
+    sequence stops speculating (its proposals are masked out, which is lossless: a root-only tree is a plain
+    step) and decodes plainly; after `probe_every` plain steps it tries again. When no sequence of the batch
+    speculates, the step is a plain one-token decode (where the compile policy allows `lax.cond`).
+
+    `min_gain` here is the default; `spec_loop` takes a traced `min_gain` that overrides it, so that a
+    break-even measured on this hardware (`spec_api.calibrate`) changes no compiled program.
     """
 
     min_gain: float = 0.3
@@ -64,8 +69,9 @@ class SpecState(NamedTuple):
     dstate: Any  # drafter state
     hidden: Any  # drafters with `features`: (feats [B, D+1, F] of the root and accepted nodes, count [B]); else None
     stats: SpecStats
-    gain: jax.Array  # [B] float32 running mean of accepted tokens per verify step (see Adaptive)
+    gain: jax.Array  # [B] float32 running mean of accepted tokens per verify step; inf before the first one
     idle: jax.Array  # [B] int32 steps since this sequence last speculated
+    counts: jax.Array  # [2] int32 batch steps run, batch steps that ran a verify forward (for calibration)
 
 
 def _write_history(history, prompt_lens, old_new, state: DecodeState):
@@ -106,7 +112,7 @@ def spec_prefill(params, config: LlamaConfig, dparams, drafter, buckets: Buckets
     zB = jnp.zeros((B,), jnp.int32)
     stats = SpecStats(zB, zB, zB, jnp.zeros((B, D), jnp.int32), jnp.zeros((B, D), jnp.int32), zB)
     return SpecState(dec, history, prompt_lens.astype(jnp.int32), dstate, hidden, stats,
-                     jnp.ones((B,), jnp.float32), zB)
+                     jnp.full((B,), jnp.inf, jnp.float32), zB, jnp.zeros((2,), jnp.int32))
 
 
 def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: SpecState, proposal: Proposal,
@@ -173,34 +179,47 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spec
     return state._replace(dec=dec, history=history, stats=stats, hidden=hidden), result
 
 
+def plain_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
+               attention_fn=None) -> SpecState:
+    """One plain decode step inside a speculative generation (nothing verified): the drafter observes it, the
+    history and the features the drafter reads advance. Pure, not jitted."""
+    old_new = state.dec.num_new
+    state = state._replace(dstate=drafter.observe_plain(dparams, state.dstate, context(state, sampling)))
+    dec, feats = decode_step_features(params, config, state.dec, sampling, attention_fn, drafter.features)
+    r = (state.dec.finish == FINISH_RUNNING).astype(jnp.int32)
+    stats = state.stats._replace(plain_steps=state.stats.plain_steps + r)
+    hidden = state.hidden
+    if feats is not None:
+        # The decoded token (the old root) is now the last committed node: its feature alone, count 1.
+        pad = jnp.zeros((feats.shape[0], hidden[0].shape[1] - 1, feats.shape[-1]), hidden[0].dtype)
+        hidden = (jnp.concatenate([feats.astype(hidden[0].dtype), pad], axis=1), jnp.ones_like(hidden[1]))
+    return state._replace(dec=dec, history=_write_history(state.history, state.prompt_lens, old_new, dec),
+                          stats=stats, idle=state.idle + 1, hidden=hidden,
+                          counts=state.counts + jnp.array([1, 0], jnp.int32))
+
+
 def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
-              attention_fn=None, allow_cond: bool = True, adaptive: Adaptive | None = None) -> SpecState:
+              attention_fn=None, allow_cond: bool = True, adaptive: Adaptive | None = None,
+              min_gain: jax.Array | None = None) -> SpecState:
     """One speculative step for every sequence. Pure, not jitted.
 
     allow_cond: decode one plain token instead of verifying when no sequence of the batch has anything to
     verify (an n-gram miss everywhere, or every sequence backed off); off under compile policies without
     `lax.cond` (Neuron), where masked proposals are verified instead (same tokens, more compute).
     adaptive: the per-sequence back-off rule, None = always speculate.
+    min_gain: [] float32 break-even gain overriding `adaptive.min_gain` (traced: no recompile), or None.
     """
     running = state.dec.finish == FINISH_RUNNING
     if adaptive is None:
         want = jnp.ones_like(running)
+        floor = gain = None
     else:
-        want = (state.gain >= adaptive.min_gain) | (state.idle >= adaptive.probe_every)
+        floor = jnp.float32(adaptive.min_gain) if min_gain is None else min_gain.astype(jnp.float32)
+        gain = jnp.where(jnp.isinf(state.gain), floor + 1, state.gain)
+        want = (gain >= floor) | (state.idle >= adaptive.probe_every)
 
     def plain(state):
-        old_new = state.dec.num_new
-        state = state._replace(dstate=drafter.observe_plain(dparams, state.dstate, context(state, sampling)))
-        dec, feats = decode_step_features(params, config, state.dec, sampling, attention_fn, drafter.features)
-        r = (state.dec.finish == FINISH_RUNNING).astype(jnp.int32)
-        stats = state.stats._replace(plain_steps=state.stats.plain_steps + r)
-        hidden = state.hidden
-        if feats is not None:
-            # The decoded token (the old root) is now the last committed node: its feature alone, count 1.
-            pad = jnp.zeros((feats.shape[0], hidden[0].shape[1] - 1, feats.shape[-1]), hidden[0].dtype)
-            hidden = (jnp.concatenate([feats.astype(hidden[0].dtype), pad], axis=1), jnp.ones_like(hidden[1]))
-        return state._replace(dec=dec, history=_write_history(state.history, state.prompt_lens, old_new, dec),
-                              stats=stats, idle=state.idle + 1, hidden=hidden)
+        return plain_step(params, config, dparams, drafter, state, sampling, attention_fn)
 
     def speculative(state):
         ctx = context(state, sampling)
@@ -214,12 +233,13 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
             before = state.stats.accepted
             new, result = verify_accept(params, config, drafter.tree, drafter.mode, state, proposal, sampling,
                                         attention_fn, drafter.features)
-            new = new._replace(dstate=drafter.update(dparams, new.dstate, ctx, result))
+            new = new._replace(dstate=drafter.update(dparams, new.dstate, ctx, result),
+                               counts=state.counts + 1)
             if adaptive is None:
                 return new
             got = (new.stats.accepted - before).astype(jnp.float32)
-            gain = jnp.where(had, adaptive.decay * state.gain + (1 - adaptive.decay) * got, state.gain)
-            return new._replace(gain=gain, idle=jnp.where(had, 0, state.idle + 1))
+            g = jnp.where(had, adaptive.decay * gain + (1 - adaptive.decay) * got, state.gain)
+            return new._replace(gain=g, idle=jnp.where(had, 0, state.idle + 1))
 
         if not allow_cond:
             return verify(state)
@@ -230,19 +250,20 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
     # The verify forward costs the same for every row of the batch (fixed shapes), so speculate only when the
     # batch as a whole expects enough accepted tokens: the mean gain over running rows, non-wanting rows as 0.
     n_run = jnp.maximum(jnp.sum(running), 1)
-    batch_gain = jnp.sum(jnp.where(want & running, jnp.maximum(state.gain, adaptive.min_gain), 0.0)) / n_run
+    batch_gain = jnp.sum(jnp.where(want & running, jnp.maximum(gain, floor), 0.0)) / n_run
     # A long-idle row forces an occasional probe, so a batch that backed off can find acceptance again.
     probe = jnp.any(running & (state.idle >= 4 * adaptive.probe_every))
-    return jax.lax.cond((batch_gain >= adaptive.min_gain) | probe, speculative, plain, state)
+    return jax.lax.cond((batch_gain >= floor) | probe, speculative, plain, state)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn", "allow_cond", "adaptive"),
                    donate_argnames=("state",))
 def spec_loop(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
               max_steps: jax.Array, attention_fn=None, allow_cond: bool = True,
-              adaptive: Adaptive | None = None) -> SpecState:
+              adaptive: Adaptive | None = None, min_gain: jax.Array | None = None) -> SpecState:
     """Speculate until every sequence finished or `max_steps` (traced) steps ran: one `lax.while_loop`.
 
+    min_gain: [] float32 traced break-even of the back-off rule (see `Adaptive`), or None for its default.
     Jitted; `state` is donated (target and draft KV caches are updated in place).
     """
     def cond(carry):
@@ -251,7 +272,8 @@ def spec_loop(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
 
     def body(carry):
         st, i = carry
-        return spec_step(params, config, dparams, drafter, st, sampling, attention_fn, allow_cond, adaptive), i + 1
+        return spec_step(params, config, dparams, drafter, st, sampling, attention_fn, allow_cond, adaptive,
+                         min_gain), i + 1
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state
@@ -264,6 +286,14 @@ def verify_accept_jit(params, config: LlamaConfig, tree: TreeSpec, mode, state: 
     """`verify_accept` as a jitted entry point for host-side drafters (suffix decoding) and profiling.
     Jitted; `state` is donated."""
     return verify_accept(params, config, tree, mode, state, proposal, sampling, attention_fn, features)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn"), donate_argnames=("state",))
+def plain_step_jit(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
+                   attention_fn=None) -> SpecState:
+    """`plain_step` as a jitted entry point for the host loop (a step where nothing is worth verifying).
+    Jitted; `state` is donated."""
+    return plain_step(params, config, dparams, drafter, state, sampling, attention_fn)
 
 
 @functools.partial(jax.jit, static_argnames=("drafter",))

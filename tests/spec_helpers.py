@@ -168,18 +168,24 @@ def spec_start(params, config, dparams, drafter, buckets, ids: list[list[int]], 
 
 
 def run_spec(params, config, dparams, drafter, buckets, ids: list[list[int]], sampling, *, width: int | None = None,
-             max_steps: int = 2 ** 30, adaptive=None):
-    """Speculative decoding through the fused on-device loop. Returns the final SpecState."""
+             max_steps: int = 2 ** 30, adaptive=None, backed_off: bool = False):
+    """Speculative decoding through the fused on-device loop. Returns the final SpecState.
+
+    backed_off: start every row with a zero back-off gain (as if it had just backed off) instead of the
+    optimistic seed, so an `adaptive` rule decodes plainly first."""
     state = spec_start(params, config, dparams, drafter, buckets, ids, sampling, width)
+    if backed_off:
+        state = state._replace(gain=jnp.zeros_like(state.gain))
     return spec_engine.spec_loop(params, config, dparams, drafter, state, sampling, jnp.int32(max_steps),
                                  adaptive=adaptive)
 
 
 def run_suffix(params, config, drafter, buckets, ids: list[list[int]], sampling, global_index=None,
-               width: int | None = None):
+               width: int | None = None, adaptive=None):
     """Suffix decoding (host-side drafter) through `spec_api.host_loop`, as `LLM.generate` runs it.
 
     global_index: a SuffixIndex kept across calls (earlier outputs), or None for a fresh one.
+    adaptive: the host loop's back-off rule (`spec_engine.Adaptive`), None = always speculate.
     Returns (final SpecState, global index)."""
     from specjax import spec_api
     from specjax.drafters.suffix import SuffixHostState
@@ -189,8 +195,8 @@ def run_suffix(params, config, drafter, buckets, ids: list[list[int]], sampling,
         global_index = SuffixIndex(drafter.max_depth, max_sequences=spec_api.SUFFIX_GLOBAL_SEQS)
     state = spec_start(params, config, {}, drafter, buckets, ids, sampling, width)
     host = SuffixHostState(drafter, global_index, ids)
-    stand_in = types.SimpleNamespace(params=params, config=config, _attention_fn=None)
-    state, _, _ = spec_api.host_loop(stand_in, drafter, {}, state, sampling, len(ids), host)
+    stand_in = types.SimpleNamespace(params=params, config=config, _attention_fn=None, _drafters={})
+    state, _, _ = spec_api.host_loop(stand_in, drafter, {}, state, sampling, len(ids), host, adaptive, "key")
     outs, _ = outputs(state.dec, len(ids))
     host.finish(outs, next(_SUFFIX_IDS))
     return state, global_index

@@ -384,6 +384,22 @@ def test_suffix_greedy_matches_plain(target, plain_greedy):
     assert np.asarray(state2.stats.accepted).sum() > np.asarray(state.stats.accepted).sum()
 
 
+def test_suffix_host_loop_backs_off_and_stays_exact(target, plain_greedy):
+    """The host loop's back-off (a break-even no row reaches, a probe every 3rd step) decodes plainly between
+    probes and still equals plain greedy output."""
+    config, params = target
+    drafter = SuffixDrafter(num_speculative_tokens=6, max_tree_depth=4)
+    backoff = spec_engine.Adaptive(min_gain=5.0, probe_every=2)
+    state, _ = run_suffix(params, config, drafter, BUCKETS, PROMPTS, make_sampling(BATCH, max_new=MAX_NEW),
+                          adaptive=backoff)
+    outs, _ = outputs(state.dec, len(PROMPTS))
+    assert_equal_outputs(outs, plain_greedy, "suffix (backing off)")
+    plain = np.asarray(state.stats.plain_steps)[:len(PROMPTS)]
+    verify = np.asarray(state.stats.verify_steps)[:len(PROMPTS)]
+    assert plain.min() > 0 and verify.min() > 0, f"plain steps {plain}, verify steps {verify}"
+    assert np.all(plain > verify), "backed-off rows must mostly decode plainly"
+
+
 # ------------------------------------------------------------------------------------------------- draft KV cache
 
 

@@ -143,7 +143,7 @@ def exact_joint(logits, setting: dict) -> np.ndarray:
 
 
 def sample_sequences(target, prompt, setting: dict, drafter=None, dparams=None, base_seed: int = 0,
-                     adaptive=None) -> np.ndarray:
+                     adaptive=None, backed_off: bool = False) -> np.ndarray:
     """ROWS * CALLS sampled continuations [n, NEW] (plain decoding when drafter is None; speculation without
     back-off unless `adaptive` is given)."""
     config, params = target
@@ -155,7 +155,8 @@ def sample_sequences(target, prompt, setting: dict, drafter=None, dparams=None, 
         if drafter is None:
             dec = run_plain(params, config, BUCKETS, prompts, sampling)
         else:
-            dec = run_spec(params, config, dparams, drafter, BUCKETS, prompts, sampling, adaptive=adaptive).dec
+            dec = run_spec(params, config, dparams, drafter, BUCKETS, prompts, sampling, adaptive=adaptive,
+                           backed_off=backed_off).dec
         toks, finish = outputs(dec)
         assert np.all(np.asarray(dec.num_new) == NEW) and np.all(finish == engine.FINISH_LENGTH)
         out.append(np.asarray(toks, np.int64))
@@ -243,18 +244,19 @@ def test_speculative_sampling_matches_the_exact_distribution(target, draft, prom
 
 
 def test_speculative_sampling_with_back_off_matches_the_exact_distribution(target, draft, prompt, exact_logits):
-    """With the adaptive back-off forced to alternate (plain step, then a probe), y2 comes from a plain step
-    inside the speculative loop (the draft only observes it) and y3 from a verify step."""
+    """With the adaptive back-off forced to alternate (plain step, then a probe) from a backed-off start, y2
+    comes from a plain step inside the speculative loop (the draft only observes it) and y3 from a verify step."""
     drafter, dparams = drafter_for("draft_model", draft)
     back_off = spec_engine.Adaptive(min_gain=5.0, probe_every=1)
     samples = sample_sequences(target, prompt, SETTINGS["t1"], drafter, dparams, base_seed=5 * 10 ** 6,
-                               adaptive=back_off)
+                               adaptive=back_off, backed_off=True)
     res = joint_test(samples, exact_joint(exact_logits, SETTINGS["t1"]))
     line = report("draft_model t1 with back-off", res)
     assert res["p"] > PASS_P, line
     config, params = target
     st = run_spec(params, config, dparams, drafter, BUCKETS, [prompt] * ROWS,
-                  make_sampling(ROWS, seed=np.arange(ROWS), max_new=NEW, **SETTINGS["t1"]), adaptive=back_off).stats
+                  make_sampling(ROWS, seed=np.arange(ROWS), max_new=NEW, **SETTINGS["t1"]), adaptive=back_off,
+                  backed_off=True).stats
     assert np.all(np.asarray(st.plain_steps) == 1) and np.all(np.asarray(st.verify_steps) >= 1)
 
 

@@ -1,0 +1,100 @@
+"""The back-off rule's break-even, measured on the hardware, and what it must not cost.
+
+* `spec_api.calibrate` turns timed speculative and plain steps into the break-even gain (ratio - 1), with
+  plain steps inside the speculative chunk (a lookup miss) taken out of the verify cost;
+* through `LLM.generate`, the calibration runs the one compiled speculative loop (the break-even is traced),
+  is cached per (config, batch bucket), and the output still equals plain greedy output;
+* a repeat generation in the same bucket, with other sampling values, compiles nothing.
+"""
+from __future__ import annotations
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_helpers import tiny_config, tiny_llm, tiny_params
+from specjax import spec_api, spec_engine
+from specjax.config import SamplingParams, SpeculativeConfig
+
+V = 96
+
+
+class FakeLoop:
+    """Stands in for the jitted loop: each step is a verify (cost `verify`) unless it is forced plain or falls
+    in `misses` (a lookup miss, decoded plainly at cost `plain`); the clock advances by the cost."""
+
+    def __init__(self, verify: float, plain: float, misses: set[int], length: int = 10 ** 6):
+        self.now, self.step = 0.0, 0
+        self.verify, self.plain, self.misses, self.length = verify, plain, misses, length
+        self.calls = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self, state, steps: int, min_gain: float):
+        self.calls.append((steps, min_gain))
+        counts = np.asarray(state.counts).copy()
+        for _ in range(steps):
+            if self.step >= self.length:
+                break
+            spec = min_gain < 0 and self.step not in self.misses
+            self.now += self.verify if spec else self.plain
+            counts += (1, int(spec))
+            self.step += 1
+        return types.SimpleNamespace(counts=jnp.asarray(counts))
+
+
+def start():
+    return types.SimpleNamespace(counts=jnp.zeros((2,), jnp.int32))
+
+
+def test_calibrate_gives_ratio_minus_one():
+    loop = FakeLoop(verify=0.09, plain=0.03, misses={2, 4})  # two misses inside the timed speculative chunk
+    _, floor = spec_api.calibrate(loop, start(), steps=6, clock=loop.clock)
+    assert floor == pytest.approx(2.0)  # a verify costs 3 plain steps: 2 accepted tokens to break even
+    # warm-up (compile) step, forced speculative chunk, forced plain chunk
+    assert [s for s, _ in loop.calls] == [1, 6, 6]
+    assert loop.calls[1][1] < 0 < loop.calls[2][1]
+
+
+def test_calibrate_clamps_cheap_verification_at_zero():
+    loop = FakeLoop(verify=0.02, plain=0.03, misses=set())
+    _, floor = spec_api.calibrate(loop, start(), steps=4, clock=loop.clock)
+    assert floor == 0.0
+
+
+def test_calibrate_gives_up_when_the_generation_ends():
+    loop = FakeLoop(verify=0.09, plain=0.03, misses=set(), length=5)  # finished inside the speculative chunk
+    _, floor = spec_api.calibrate(loop, start(), steps=6, clock=loop.clock)
+    assert floor is None
+    loop = FakeLoop(verify=0.09, plain=0.03, misses=set(range(100)))  # never had anything to verify
+    _, floor = spec_api.calibrate(loop, start(), steps=6, clock=loop.clock)
+    assert floor is None
+
+
+def test_generate_calibrates_once_in_one_compiled_loop():
+    config = tiny_config(V)
+    llm = tiny_llm(config, tiny_params(config, seed=3))
+    rng = np.random.default_rng(0)
+    # Repetitive prompts, so the n-gram drafter has matches to verify during calibration.
+    motif = rng.integers(1, V, 6).tolist()
+    prompts = [motif * 4 + [1, 2], motif * 3 + [5]]
+    greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = llm.generate(prompts, greedy)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    before = spec_engine.spec_loop._cache_size()
+    out = llm.generate(prompts, greedy, speculative_config=spec)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert spec_engine.spec_loop._cache_size() == before + 1, "calibration compiled more than the one loop"
+    floors = {k: v for k, v in llm._drafters.items() if isinstance(k, tuple) and k[0] == "break_even"}
+    assert len(floors) == 1 and list(floors.values())[0] >= 0.0
+    assert sum(o.metrics.verify_steps for o in out) > 0
+    # Same bucket, other prompt lengths and sampling values: the cached break-even, nothing compiled.
+    again = llm.generate([prompts[1], prompts[0][:-3]], [SamplingParams(max_new_tokens=30, temperature=0.8, seed=4,
+                                                                          ignore_eos=True), greedy],
+                         speculative_config=spec)
+    assert len(again[0].token_ids) == 30 and len(again[1].token_ids) == 40
+    assert spec_engine.spec_loop._cache_size() == before + 1
+    assert {k: v for k, v in llm._drafters.items() if isinstance(k, tuple) and k[0] == "break_even"} == floors
