@@ -201,12 +201,13 @@ def device_loop(llm, drafter, dparams, state, sampling, adaptive, key):
     return run(state, NO_LIMIT, adaptive.min_gain if floor is None else floor)
 
 
-def calibrate(run, state, steps: int = CALIBRATION_STEPS, clock=time.perf_counter):
+def calibrate(run, state, steps: int = CALIBRATION_STEPS, rounds: int = 2, clock=time.perf_counter):
     """Measure the back-off break-even on this hardware from the generation's own first steps (they emit real
-    tokens: both kinds of step are lossless). One warm-up step compiles; then `steps` forced-speculative and
-    `steps` forced-plain steps are timed. A speculative step costs `ratio` plain steps and yields 1 + gain
-    tokens, so speculation pays while gain >= ratio - 1. Returns (state, break-even gain, or None when the
-    generation ended or never verified before there was enough to time).
+    tokens: both kinds of step are lossless). One warm-up step compiles; then `rounds` times, `steps`
+    forced-speculative and `steps` forced-plain steps are timed, and each kind keeps its fastest round (the
+    least disturbed by anything else running). A speculative step costs `ratio` plain steps and yields
+    1 + gain tokens, so speculation pays while gain >= ratio - 1. Returns (state, break-even gain, or None when
+    the generation ended or never verified before there was enough to time).
 
     run(state, steps, min_gain) -> state runs the jitted loop (`min_gain` is traced: nothing recompiles);
     clock() -> seconds.
@@ -221,13 +222,18 @@ def calibrate(run, state, steps: int = CALIBRATION_STEPS, clock=time.perf_counte
         c1 = np.asarray(state.counts)  # waits for the loop
         return state, clock() - t, c1 - c0
 
-    state, t_spec, c_spec = timed(state, steps, force_spec)
-    state, t_plain, c_plain = timed(state, steps, force_plain)
-    if c_plain[0] == 0 or c_spec[1] == 0:
+    per_plain, per_verify = [], []
+    for _ in range(rounds):
+        state, t_spec, c_spec = timed(state, steps, force_spec)
+        state, t_plain, c_plain = timed(state, steps, force_plain)
+        if c_plain[0] == 0 or c_spec[1] == 0:
+            break
+        plain = t_plain / c_plain[0]
+        per_plain.append(plain)
+        per_verify.append((t_spec - (c_spec[0] - c_spec[1]) * plain) / c_spec[1])
+    if not per_plain:
         return state, None
-    per_plain = t_plain / c_plain[0]
-    per_verify = (t_spec - (c_spec[0] - c_spec[1]) * per_plain) / c_spec[1]
-    return state, max(0.0, per_verify / per_plain - 1.0)
+    return state, max(0.0, min(per_verify) / min(per_plain) - 1.0)
 
 
 def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=None, key=None):

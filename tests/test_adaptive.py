@@ -52,11 +52,28 @@ def start():
 
 def test_calibrate_gives_ratio_minus_one():
     loop = FakeLoop(verify=0.09, plain=0.03, misses={2, 4})  # two misses inside the timed speculative chunk
-    _, floor = spec_api.calibrate(loop, start(), steps=6, clock=loop.clock)
+    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
     assert floor == pytest.approx(2.0)  # a verify costs 3 plain steps: 2 accepted tokens to break even
     # warm-up (compile) step, forced speculative chunk, forced plain chunk
     assert [s for s, _ in loop.calls] == [1, 6, 6]
     assert loop.calls[1][1] < 0 < loop.calls[2][1]
+
+
+def test_calibrate_keeps_the_fastest_round_of_each_kind():
+    """A chunk slowed by something else running (the first speculative one, twice as slow) does not move the
+    break-even."""
+    loop = FakeLoop(verify=0.09, plain=0.03, misses={2, 4})
+    real_call = loop.__call__
+    calls = iter(range(100))
+
+    def disturbed(state, steps, min_gain):
+        slow = next(calls) == 1  # the first timed speculative chunk
+        loop.verify, loop.plain = (0.18, 0.06) if slow else (0.09, 0.03)
+        return real_call(state, steps, min_gain)
+
+    _, floor = spec_api.calibrate(disturbed, start(), steps=6, rounds=2, clock=loop.clock)
+    assert floor == pytest.approx(2.0)
+    assert [s for s, _ in loop.calls] == [1, 6, 6, 6, 6]
 
 
 def test_calibrate_clamps_cheap_verification_at_zero():
