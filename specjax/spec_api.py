@@ -248,6 +248,7 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
     B = state.dec.finish.shape[0]
     gain = np.full(B, np.inf)
     idle = np.zeros(B, np.int64)
+    gap = np.zeros(B, np.int64)
     floor = None if adaptive is None else llm._drafters.get(key, adaptive.min_gain)
     times = {"plain": [], "verify": []}  # per-step seconds, compile step dropped
 
@@ -265,10 +266,8 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
         if not np.any(running[:n]):
             break
         if adaptive is not None:
-            g = np.where(np.isinf(gain), floor + 1, gain)
-            want = (g >= floor) | (idle >= adaptive.probe_every)
-            batch_gain = np.sum(np.where(want & running, np.maximum(g, floor), 0.0)) / max(1, running.sum())
-            if batch_gain < floor and not np.any(running & (idle >= 4 * adaptive.probe_every)):
+            g, gap, want, batch = spec_engine.backoff_decide(adaptive, floor, gain, idle, gap, running, xp=np)
+            if not batch:
                 state = plain(state)
                 idle += 1
                 if host is not None:
@@ -302,9 +301,7 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
             times["verify"].append(t3 - t)
             if adaptive is not None:
                 got = np.asarray(state.stats.accepted) - before
-                g = np.where(np.isinf(gain), floor + 1, gain)
-                gain = np.where(had, adaptive.decay * g + (1 - adaptive.decay) * got, gain)
-                idle = np.where(had, 0, idle + 1)
+                gain, idle, gap = spec_engine.backoff_update(adaptive, floor, gain, g, idle, gap, had, got, xp=np)
         if host is not None:
             host.observe(state, n)
         if adaptive is not None and len(times["plain"]) > 1 and len(times["verify"]) > 1:

@@ -50,8 +50,10 @@ class Adaptive:
     `min_gain + 1` before its first verify). A speculative step yields 1 + gain tokens for the cost of
     `ratio` plain steps, so it pays while gain >= ratio - 1: that break-even is `min_gain`. Below it the
     sequence stops speculating (its proposals are masked out, which is lossless: a root-only tree is a plain
-    step) and decodes plainly; after `probe_every` plain steps it tries again. When no sequence of the batch
-    speculates, the step is a plain one-token decode (where the compile policy allows `lax.cond`).
+    step) and decodes plainly; after a gap of plain steps it probes again. The gap starts at `probe_every`,
+    doubles after every failed probe up to `probe_every * max_gap_factor`, and resets when a probe succeeds,
+    so a sequence the drafter cannot help pays for few probes. When no sequence of the batch speculates, the
+    step is a plain one-token decode (where the compile policy allows `lax.cond`).
 
     `min_gain` here is the default; `spec_loop` takes a traced `min_gain` that overrides it, so that a
     break-even measured on this hardware (`spec_api.calibrate`) changes no compiled program.
@@ -60,6 +62,35 @@ class Adaptive:
     min_gain: float = 0.3
     probe_every: int = 16
     decay: float = 0.7
+    max_gap_factor: int = 8
+
+
+def backoff_decide(adaptive: Adaptive, floor, gain, idle, gap, running, xp=jnp):
+    """The back-off decision before a step (pure; `xp` is jax.numpy on device, numpy in the host loop).
+
+    floor [] break-even gain; gain [B] (inf = no verify yet), idle [B], gap [B] (0 = `probe_every`),
+    running [B] bool. Returns (seeded gain [B], gap [B], want [B] bool: the row speculates if the batch does,
+    batch [] bool: the batch speculates). The verify forward costs the same for every row (fixed shapes), so
+    the batch speculates when the mean gain over running rows (non-wanting rows as 0) reaches the
+    break-even, or when some row has been idle for four gaps (so a batch that backed off can find acceptance
+    again)."""
+    g = xp.where(xp.isinf(gain), floor + 1, gain)
+    gap = xp.where(gap == 0, adaptive.probe_every, gap)
+    want = (g >= floor) | (idle >= gap)
+    n_run = xp.maximum(xp.sum(running), 1)
+    batch_gain = xp.sum(xp.where(want & running, xp.maximum(g, floor), 0.0)) / n_run
+    batch = (batch_gain >= floor) | xp.any(running & (idle >= 4 * gap))
+    return g, gap, want, batch
+
+
+def backoff_update(adaptive: Adaptive, floor, gain, g, idle, gap, had, got, xp=jnp):
+    """The back-off state after a verify step (pure). gain [B] as stored, g/gap [B] from `backoff_decide`,
+    had [B] bool (the row verified a proposal), got [B] accepted tokens. Returns (gain, idle, gap)."""
+    new = adaptive.decay * g + (1 - adaptive.decay) * got
+    failed_probe = had & (g < floor) & (new < floor)
+    limit = adaptive.probe_every * adaptive.max_gap_factor
+    gap = xp.where(failed_probe, xp.minimum(2 * gap, limit), xp.where(had & (new >= floor), adaptive.probe_every, gap))
+    return xp.where(had, new, gain), xp.where(had, 0, idle + 1), gap
 
 
 class SpecState(NamedTuple):
@@ -71,6 +102,7 @@ class SpecState(NamedTuple):
     stats: SpecStats
     gain: jax.Array  # [B] float32 running mean of accepted tokens per verify step; inf before the first one
     idle: jax.Array  # [B] int32 steps since this sequence last speculated
+    gap: jax.Array  # [B] int32 plain steps before a backed-off sequence probes again (0 = Adaptive.probe_every)
     counts: jax.Array  # [2] int32 batch steps run, batch steps that ran a verify forward (for calibration)
 
 
@@ -112,7 +144,7 @@ def spec_prefill(params, config: LlamaConfig, dparams, drafter, buckets: Buckets
     zB = jnp.zeros((B,), jnp.int32)
     stats = SpecStats(zB, zB, zB, jnp.zeros((B, D), jnp.int32), jnp.zeros((B, D), jnp.int32), zB)
     return SpecState(dec, history, prompt_lens.astype(jnp.int32), dstate, hidden, stats,
-                     jnp.full((B,), jnp.inf, jnp.float32), zB, jnp.zeros((2,), jnp.int32))
+                     jnp.full((B,), jnp.inf, jnp.float32), zB, zB, jnp.zeros((2,), jnp.int32))
 
 
 def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: SpecState, proposal: Proposal,
@@ -212,11 +244,9 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
     running = state.dec.finish == FINISH_RUNNING
     if adaptive is None:
         want = jnp.ones_like(running)
-        floor = gain = None
     else:
         floor = jnp.float32(adaptive.min_gain) if min_gain is None else min_gain.astype(jnp.float32)
-        gain = jnp.where(jnp.isinf(state.gain), floor + 1, state.gain)
-        want = (gain >= floor) | (state.idle >= adaptive.probe_every)
+        g, gap, want, batch = backoff_decide(adaptive, floor, state.gain, state.idle, state.gap, running)
 
     def plain(state):
         return plain_step(params, config, dparams, drafter, state, sampling, attention_fn)
@@ -238,8 +268,8 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
             if adaptive is None:
                 return new
             got = (new.stats.accepted - before).astype(jnp.float32)
-            g = jnp.where(had, adaptive.decay * gain + (1 - adaptive.decay) * got, state.gain)
-            return new._replace(gain=g, idle=jnp.where(had, 0, state.idle + 1))
+            gain, idle, gap_new = backoff_update(adaptive, floor, state.gain, g, state.idle, gap, had, got)
+            return new._replace(gain=gain, idle=idle, gap=gap_new)
 
         if not allow_cond:
             return verify(state)
@@ -247,13 +277,7 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
 
     if not allow_cond or adaptive is None:
         return speculative(state)
-    # The verify forward costs the same for every row of the batch (fixed shapes), so speculate only when the
-    # batch as a whole expects enough accepted tokens: the mean gain over running rows, non-wanting rows as 0.
-    n_run = jnp.maximum(jnp.sum(running), 1)
-    batch_gain = jnp.sum(jnp.where(want & running, jnp.maximum(gain, floor), 0.0)) / n_run
-    # A long-idle row forces an occasional probe, so a batch that backed off can find acceptance again.
-    probe = jnp.any(running & (state.idle >= 4 * adaptive.probe_every))
-    return jax.lax.cond((batch_gain >= floor) | probe, speculative, plain, state)
+    return jax.lax.cond(batch, speculative, plain, state)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn", "allow_cond", "adaptive"),

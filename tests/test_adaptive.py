@@ -115,3 +115,44 @@ def test_generate_calibrates_once_in_one_compiled_loop():
     assert len(again[0].token_ids) == 30 and len(again[1].token_ids) == 40
     assert spec_engine.spec_loop._cache_size() == before + 1
     assert {k: v for k, v in llm._drafters.items() if isinstance(k, tuple) and k[0] == "break_even"} == floors
+
+
+def test_probe_gap_doubles_after_failed_probes_and_resets_on_success():
+    """One row, break-even 1.0: it backs off, probes after 4 idle steps, then 8, 16, 16 (the cap) while its
+    probes fail; a successful probe brings it back to speculating with the gap reset. Device and host share
+    these two functions."""
+    rule = spec_engine.Adaptive(min_gain=1.0, probe_every=4, max_gap_factor=4)
+    floor = 1.0
+    gain, idle, gap = np.array([np.inf]), np.array([0]), np.array([0])
+    running = np.array([True])
+    probes, log = [], []
+    for step in range(80):
+        g, gap, want, batch = spec_engine.backoff_decide(rule, floor, gain, idle, gap, running, xp=np)
+        if not (batch and want[0]):
+            idle = idle + 1  # a plain step
+            continue
+        probes.append(step)
+        got = np.array([3.0 if step >= 60 else 0.0])  # the drafter starts to help at step 60
+        gain, idle, gap = spec_engine.backoff_update(rule, floor, gain, g, idle, gap, np.array([True]), got, xp=np)
+        log.append(int(gap[0]))
+    # steps 0, 1: the optimistic seed (2.0) decays below 1.0 after two empty verifies, then gaps 4, 8, 16, 16
+    assert probes[:6] == [0, 1, 6, 15, 32, 49], probes
+    assert log[:6] == [4, 4, 8, 16, 16, 16]
+    # first probe at or after step 60 succeeds (gain 0.7 * g + 0.9 >= 1.0): gap back to 4, speculating on
+    after = [p for p in probes if p >= 60]
+    assert after == list(range(after[0], 80)) and log[-1] == 4
+
+
+def test_batch_backs_off_only_when_the_mean_gain_is_low():
+    rule = spec_engine.Adaptive(min_gain=1.0, probe_every=4)
+    idle, gap = np.zeros(4, int), np.zeros(4, int)
+    running = np.array([True, True, True, False])
+    _, _, want, batch = spec_engine.backoff_decide(rule, 1.0, np.array([3.0, 0.1, 0.1, 9.0]), idle, gap, running,
+                                                   xp=np)
+    assert list(want) == [True, False, False, True] and batch  # (3 + 0 + 0) / 3 running rows >= 1
+    _, _, _, batch = spec_engine.backoff_decide(rule, 1.0, np.array([2.0, 0.1, 0.1, 9.0]), idle, gap, running,
+                                                xp=np)
+    assert not batch  # 2 / 3 < 1: the finished row's high gain does not count
+    _, _, _, batch = spec_engine.backoff_decide(rule, 1.0, np.array([2.0, 0.1, 0.1, 9.0]), np.array([0, 0, 16, 0]),
+                                                gap, running, xp=np)
+    assert batch  # a row idle for four gaps forces a probe of the batch

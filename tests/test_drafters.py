@@ -341,7 +341,7 @@ def test_api_stop_and_length_through_generate(target):
 
 ADAPTIVE = {
     "always": None,
-    "backoff": spec_engine.Adaptive(min_gain=5.0, probe_every=2),  # backs off at once, probes every 3rd step
+    "backoff": spec_engine.Adaptive(min_gain=5.0, probe_every=2, max_gap_factor=1),  # probes every 3rd step
 }
 
 

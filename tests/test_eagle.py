@@ -106,7 +106,7 @@ def bigram():
 
 # Back-off on every other step: a verify step (idle 0) makes no row want to speculate, the plain step after it
 # (idle 1 = probe_every) makes every row probe again.
-ALTERNATE = spec_engine.Adaptive(min_gain=1e9, probe_every=1)
+ALTERNATE = spec_engine.Adaptive(min_gain=1e9, probe_every=1, max_gap_factor=1)
 
 
 def plain_outputs(params, config, drafter):

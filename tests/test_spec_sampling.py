@@ -247,7 +247,7 @@ def test_speculative_sampling_with_back_off_matches_the_exact_distribution(targe
     """With the adaptive back-off forced to alternate (plain step, then a probe) from a backed-off start, y2
     comes from a plain step inside the speculative loop (the draft only observes it) and y3 from a verify step."""
     drafter, dparams = drafter_for("draft_model", draft)
-    back_off = spec_engine.Adaptive(min_gain=5.0, probe_every=1)
+    back_off = spec_engine.Adaptive(min_gain=5.0, probe_every=1, max_gap_factor=1)
     samples = sample_sequences(target, prompt, SETTINGS["t1"], drafter, dparams, base_seed=5 * 10 ** 6,
                                adaptive=back_off, backed_off=True)
     res = joint_test(samples, exact_joint(exact_logits, SETTINGS["t1"]))
