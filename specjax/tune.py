@@ -285,6 +285,16 @@ def validate_settings(llm, prompts: list, sp: SamplingParams, settings: dict[int
 
 
 # ============================================================================================ tuners
+def _say_if_it_pays(speedup: float, log) -> bool:
+    """Whether the best setting is predicted to beat plain decoding; when not, say what the engine will do."""
+    if speedup >= 1.0:
+        return True
+    log(f"no setting is predicted to beat plain decoding here ({speedup:.2f}x at best): with `adaptive` on (the "
+        "default) the engine backs off to plain steps on such prompts; for this workload plain decoding "
+        "(speculative_config=None) is the faster choice")
+    return False
+
+
 def _log_verify_costs(costs: Costs, log) -> None:
     log("  " + ", ".join(f"{n}: {1000 * t:.1f} ms" for n, t in costs.verify_s.items()))
 
@@ -315,6 +325,7 @@ def tune(llm, spec: SpeculativeConfig, prompts: list, gammas: Sequence[int] = DE
               "verify_steps": acc.verify_steps, "plain_steps": acc.plain_steps, "prediction": pred,
               "chosen_gamma": best}
     log(f"alpha {alpha:.3f}; predicted best γ = {best} ({pred[best]['speedup']:.2f}x)")
+    result["speculation_pays"] = _say_if_it_pays(pred[best]["speedup"], log)
     if validate:
         # Back-off off, as in the model; production runs keep it on for the chosen gamma.
         settings = {g: dataclasses.replace(spec, num_speculative_tokens=g, adaptive=False) for g in gammas}
@@ -358,6 +369,7 @@ def tune_tree(llm, spec: SpeculativeConfig, prompts: list, tree_sizes: Sequence[
               "prediction": pred, "chosen_tree_size": best}
     log(f"predicted best tree size = {best} ({pred[best]['expected_tokens']:.2f} tokens/step, "
         f"{pred[best]['speedup']:.2f}x)")
+    result["speculation_pays"] = _say_if_it_pays(pred[best]["speedup"], log)
     if validate:
         v = validate_settings(llm, prompts, sp, settings, pred, best, "size",
                               [("E[tok] meas", lambda s: pred[s]["expected_tokens"]),

@@ -184,3 +184,11 @@ def test_tune_tree_end_to_end_on_a_tiny_eagle_head(target, tmp_path):
     assert result["chosen_within_tolerance"] == (abs(result["chosen_error"]) <= 0.15)
     assert "<- chosen" in text and "% target" in text
     json.loads(json.dumps(result))  # what `specjax tune --json` writes
+
+
+def test_says_when_no_setting_beats_plain_decoding():
+    said = []
+    assert not tune._say_if_it_pays(0.8, said.append)
+    assert "plain decoding" in said[0] and "0.80x" in said[0]
+    said.clear()
+    assert tune._say_if_it_pays(1.2, said.append) and said == []
