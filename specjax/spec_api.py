@@ -194,11 +194,29 @@ def device_loop(llm, drafter, dparams, state, sampling, adaptive, key):
         return spec_engine.spec_loop(llm.params, llm.config, dparams, drafter, state, sampling,
                                      jnp.int32(NO_LIMIT), attention_fn=llm._attention_fn)
     floor = llm._drafters.get(key)
+    prior = llm._drafters.get(_prior_key(key))
+    if prior is not None:
+        state = state._replace(gain=jnp.full(state.gain.shape, prior, jnp.float32))
     if floor is None:
         state, floor = calibrate(run, state)
         if floor is not None:
             llm._drafters[key] = floor
-    return run(state, NO_LIMIT, adaptive.min_gain if floor is None else floor)
+    state = run(state, NO_LIMIT, adaptive.min_gain if floor is None else floor)
+    _remember_gain(llm, key, state.stats)
+    return state
+
+
+def _prior_key(key):
+    return ("gain_prior",) + tuple(key[1:])
+
+
+def _remember_gain(llm, key, stats) -> None:
+    """Keep the mean accepted tokens per verify step of this generation as the starting gain of the next one
+    with the same config and batch bucket: a drafter that did not pay starts backed off (and probes) instead of
+    paying for its first verify steps again; one that paid starts speculating."""
+    verify = int(np.sum(np.asarray(stats.verify_steps)))
+    if verify:
+        llm._drafters[_prior_key(key)] = float(np.sum(np.asarray(stats.accepted))) / verify
 
 
 def calibrate(run, state, steps: int = CALIBRATION_STEPS, rounds: int = 2, clock=time.perf_counter):
@@ -246,7 +264,7 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
     """
     draft_t = verify_t = 0.0
     B = state.dec.finish.shape[0]
-    gain = np.full(B, np.inf)
+    gain = np.full(B, np.inf if adaptive is None else llm._drafters.get(_prior_key(key), np.inf))
     idle = np.zeros(B, np.int64)
     gap = np.zeros(B, np.int64)
     floor = None if adaptive is None else llm._drafters.get(key, adaptive.min_gain)
@@ -308,6 +326,8 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
             ratio = np.median(times["verify"][1:]) / np.median(times["plain"][1:])
             floor = max(0.0, float(ratio) - 1.0)
             llm._drafters[key] = floor
+    if adaptive is not None:
+        _remember_gain(llm, key, state.stats)
     return state, draft_t, verify_t
 
 

@@ -46,8 +46,8 @@ class SpecStats(NamedTuple):
 class Adaptive:
     """Per-sequence back-off, so that speculation is never much slower than plain decoding.
 
-    Each sequence keeps a running mean of accepted tokens per verify step (`gain`, seeded optimistically at
-    `min_gain + 1` before its first verify). A speculative step yields 1 + gain tokens for the cost of
+    Each sequence keeps a running mean of accepted tokens per verify step (`gain`; the host seeds it with the
+    previous generation's mean for the same config, or it starts optimistic at `min_gain + 1`). A speculative step yields 1 + gain tokens for the cost of
     `ratio` plain steps, so it pays while gain >= ratio - 1: that break-even is `min_gain`. Below it the
     sequence stops speculating (its proposals are masked out, which is lossless: a root-only tree is a plain
     step) and decodes plainly; after a gap of plain steps it probes again. The gap starts at `probe_every`,

@@ -108,6 +108,9 @@ def test_generate_calibrates_once_in_one_compiled_loop():
     floors = {k: v for k, v in llm._drafters.items() if isinstance(k, tuple) and k[0] == "break_even"}
     assert len(floors) == 1 and list(floors.values())[0] >= 0.0
     assert sum(o.metrics.verify_steps for o in out) > 0
+    # The next generation of this config starts from this one's mean accepted tokens per verify step.
+    prior = llm._drafters[("gain_prior", spec, 2)]
+    assert prior == pytest.approx(sum(o.metrics.accepted for o in out) / sum(o.metrics.verify_steps for o in out))
     # Same bucket, other prompt lengths and sampling values: the cached break-even, nothing compiled.
     again = llm.generate([prompts[1], prompts[0][:-3]], [SamplingParams(max_new_tokens=30, temperature=0.8, seed=4,
                                                                           ignore_eos=True), greedy],
