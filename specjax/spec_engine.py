@@ -103,7 +103,9 @@ class SpecState(NamedTuple):
     gain: jax.Array  # [B] float32 running mean of accepted tokens per verify step; inf before the first one
     idle: jax.Array  # [B] int32 steps since this sequence last speculated
     gap: jax.Array  # [B] int32 plain steps before a backed-off sequence probes again (0 = Adaptive.probe_every)
-    counts: jax.Array  # [2] int32 batch steps run, batch steps that ran a verify forward (for calibration)
+    # [B, 2] int32 batch steps run, batch steps that ran a verify forward (for calibration); the same in every
+    # row, kept per row so that every leaf leads with the batch axis (continuous batching moves rows)
+    counts: jax.Array
 
 
 def _write_history(history, prompt_lens, old_new, state: DecodeState):
@@ -144,7 +146,7 @@ def spec_prefill(params, config: LlamaConfig, dparams, drafter, buckets: Buckets
     zB = jnp.zeros((B,), jnp.int32)
     stats = SpecStats(zB, zB, zB, jnp.zeros((B, D), jnp.int32), jnp.zeros((B, D), jnp.int32), zB)
     return SpecState(dec, history, prompt_lens.astype(jnp.int32), dstate, hidden, stats,
-                     jnp.full((B,), jnp.inf, jnp.float32), zB, zB, jnp.zeros((2,), jnp.int32))
+                     jnp.full((B,), jnp.inf, jnp.float32), zB, zB, jnp.zeros((B, 2), jnp.int32))
 
 
 def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: SpecState, proposal: Proposal,

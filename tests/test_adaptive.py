@@ -41,13 +41,13 @@ class FakeLoop:
                 break
             spec = min_gain < 0 and self.step not in self.misses
             self.now += self.verify if spec else self.plain
-            counts += (1, int(spec))
+            counts += np.array([1, int(spec)])
             self.step += 1
         return types.SimpleNamespace(counts=jnp.asarray(counts))
 
 
 def start():
-    return types.SimpleNamespace(counts=jnp.zeros((2,), jnp.int32))
+    return types.SimpleNamespace(counts=jnp.zeros((1, 2), jnp.int32))  # [B, 2]
 
 
 def test_calibrate_gives_ratio_minus_one():
