@@ -217,9 +217,9 @@ def _plain_prefill(params, prompts, prompt_lens, active, sampling, *, config, bu
     return engine.prefill(params, config, buckets, prompts, prompt_lens, active, sampling)
 
 
-def _plain_step(params, state, sampling, *, config, steps):
+def _plain_step(params, state, sampling, *, config, steps, allow_cond=False):
     for _ in range(steps):  # unrolled at trace time: no loop in the program
-        state = engine.decode_step(params, config, state, sampling)
+        state = engine.decode_step(params, config, state, sampling, allow_cond=allow_cond)
     return state
 
 
@@ -309,7 +309,8 @@ class NeuronRunner:
         if self.drafter is None:
             pre = jax.jit(functools.partial(_plain_prefill, config=c, buckets=b))
             pre_args = (P, tok, lens, act, samp)
-            step = jax.jit(functools.partial(_plain_step, config=c, steps=self.steps_per_call), donate_argnums=(1,))
+            step = jax.jit(functools.partial(_plain_step, config=c, steps=self.steps_per_call,
+                                             allow_cond=self.policy.allows_cond), donate_argnums=(1,))
         else:
             D = _abstract(self.dparams)
             pre = jax.jit(functools.partial(_spec_prefill, config=c, drafter=self.drafter, buckets=b))

@@ -100,7 +100,8 @@ def prefill_core(params: dict, config: LlamaConfig, buckets: Buckets, prompts: j
     positions = jnp.broadcast_to(jnp.arange(P)[None, :], (B, P))
     out = forward(params, c, prompts, positions, cache, logit_positions=(prompt_lens - 1)[:, None],
                   hidden_layers=feature_layers(features))
-    probs = process_logits(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p)
+    # No lax.cond here: every compile policy (Neuron's too) compiles this prefill, and it samples one row once.
+    probs = process_logits(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p, allow_cond=False)
     step0 = jnp.zeros((B,), jnp.int32)
     first = sample(probs, uniforms(sampling.seed, step0, ())).astype(jnp.int32)
     state = DecodeState(
@@ -141,19 +142,22 @@ def prefill(params: dict, config: LlamaConfig, buckets: Buckets, prompts: jax.Ar
 
 
 def decode_step(params: dict, config: LlamaConfig, state: DecodeState, sampling: SamplingArrays,
-                attention_fn=None) -> DecodeState:
-    """One plain decode step for every sequence: forward the last token, sample, emit. Pure, not jitted."""
-    return decode_step_features(params, config, state, sampling, attention_fn)[0]
+                attention_fn=None, allow_cond: bool = True) -> DecodeState:
+    """One plain decode step for every sequence: forward the last token, sample, emit. Pure, not jitted.
+    allow_cond: False under compile policies without `lax.cond` (see `process_logits`)."""
+    return decode_step_features(params, config, state, sampling, attention_fn, allow_cond=allow_cond)[0]
 
 
 def decode_step_features(params: dict, config: LlamaConfig, state: DecodeState, sampling: SamplingArrays,
-                         attention_fn=None, features: tuple = ()) -> tuple[DecodeState, jax.Array | None]:
+                         attention_fn=None, features: tuple = (),
+                         allow_cond: bool = True) -> tuple[DecodeState, jax.Array | None]:
     """`decode_step` that also returns the target features of the decoded token ([B, 1, F], None without
     `features`): a feature drafter backed off to plain decoding still needs them for its next proposal."""
     cache = state.cache
     out = forward(params, config, state.last_token[:, None], cache.lengths[:, None], cache, attention_fn=attention_fn,
                   hidden_layers=feature_layers(features))
-    probs = process_logits(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p)
+    probs = process_logits(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
+                           allow_cond=allow_cond)
     tok = sample(probs, uniforms(sampling.seed, state.step, ())).astype(jnp.int32)
     running = state.finish == FINISH_RUNNING
     cache = out.cache._replace(lengths=cache.lengths + running.astype(jnp.int32))

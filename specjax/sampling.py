@@ -61,25 +61,46 @@ def _top_p_threshold(p: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(jnp.sum(jnp.where(p >= hi[..., None], p, 0.0), axis=-1) >= top_p, hi, lo)
 
 
-def process_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def process_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
+                   allow_cond: bool = True) -> jax.Array:
     """logits [B, ..., V] -> probabilities [B, ..., V] float32 that sampling uses.
 
     temperature/top_k/top_p are [B] and broadcast over the middle axes (tree nodes, chain positions).
+    allow_cond: skip, with `lax.cond`, the work no row of the batch needs: everything but the argmax when every
+    row is greedy, the top-k bisection when no row sets top_k, the top-p bisection when no row sets top_p. The
+    skipped parts are exact no-ops for those rows, so the result is bit-identical either way; the bisections
+    cost about 1.7 ms per [V] row on a CPU core, which a verify pass over a tree pays once per node. False under
+    compile policies without `lax.cond` (Neuron).
     """
     logits = logits.astype(jnp.float32)
+    V = logits.shape[-1]
     extra = logits.ndim - 2
     expand = lambda a: a.reshape(a.shape + (1,) * extra)
     t, k, tp = expand(temperature.astype(jnp.float32)), expand(top_k.astype(jnp.int32)), expand(top_p.astype(jnp.float32))
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    scaled = logits / jnp.where(t > 0, t, 1.0)[..., None]
-    kk = jnp.where(k > 0, jnp.minimum(k, logits.shape[-1]), logits.shape[-1])
-    kth = _top_k_threshold(scaled, kk)
-    scaled = jnp.where(scaled >= kth[..., None], scaled, -jnp.inf)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    pth = _top_p_threshold(probs, tp)
-    probs = jnp.where((tp[..., None] >= 1.0) | (probs >= pth[..., None]), probs, 0.0)
-    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    return jnp.where((t > 0)[..., None], probs, greedy)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    kk = jnp.where(k > 0, jnp.minimum(k, V), V)
+
+    def cut_top_k(scaled):
+        kth = _top_k_threshold(scaled, kk)
+        return jnp.where(scaled >= kth[..., None], scaled, -jnp.inf)
+
+    def cut_top_p(probs):
+        pth = _top_p_threshold(probs, tp)
+        return jnp.where((tp[..., None] >= 1.0) | (probs >= pth[..., None]), probs, 0.0)
+
+    def maybe(needed, fn, x):
+        return jax.lax.cond(needed, fn, lambda y: y, x) if allow_cond else fn(x)
+
+    def sampled(logits):
+        scaled = logits / jnp.where(t > 0, t, 1.0)[..., None]
+        scaled = maybe(jnp.any(kk < V), cut_top_k, scaled)
+        probs = maybe(jnp.any(tp < 1.0), cut_top_p, jax.nn.softmax(scaled, axis=-1))
+        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+        return jnp.where((t > 0)[..., None], probs, greedy)
+
+    if not allow_cond:
+        return sampled(logits)
+    return jax.lax.cond(jnp.any(t > 0), sampled, lambda _: greedy, logits)
 
 
 def sample(probs: jax.Array, u: jax.Array) -> jax.Array:

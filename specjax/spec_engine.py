@@ -118,10 +118,10 @@ def _write_history(history, prompt_lens, old_new, state: DecodeState):
     return history.at[jnp.arange(B)[:, None], dst].set(state.out_tokens, mode="drop")
 
 
-def context(state: SpecState, sampling: SamplingArrays) -> DraftContext:
+def context(state: SpecState, sampling: SamplingArrays, allow_cond: bool = True) -> DraftContext:
     hist_len = state.prompt_lens + state.dec.num_new
     return DraftContext(state.history, hist_len, state.dec.last_token, state.dec.cache.lengths, sampling,
-                        state.dec.step, state.hidden)
+                        state.dec.step, state.hidden, allow_cond)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "buckets"))
@@ -150,13 +150,14 @@ def spec_prefill(params, config: LlamaConfig, dparams, drafter, buckets: Buckets
 
 
 def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: SpecState, proposal: Proposal,
-                  sampling: SamplingArrays, attention_fn=None,
-                  features: tuple = ()) -> tuple[SpecState, acceptance.AcceptResult]:
+                  sampling: SamplingArrays, attention_fn=None, features: tuple = (),
+                  allow_cond: bool = True) -> tuple[SpecState, acceptance.AcceptResult]:
     """Verify a proposal with one target forward and accept; returns the advanced state. Pure, not jitted.
 
     proposal.tokens [B, N] (root = last_token), parents/valid [B, N], q [B, N, V] or None.
     mode: the drafter's acceptance mode ("deterministic" / "iid" / "wor", or a lossy `acceptance.TypicalMode`).
     features: target features the drafter reads (stored in state.hidden for the root and accepted nodes).
+    allow_cond: False under compile policies without `lax.cond` (see `process_logits`).
     """
     dec = state.dec
     cache = dec.cache
@@ -172,7 +173,8 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spec
     positions = cache.lengths[:, None] + depth
     out = forward(params, config, proposal.tokens, positions, cache, tree_mask, attention_fn=attention_fn,
                   hidden_layers=feature_layers(features))
-    p = process_logits(out.logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, N, V]
+    p = process_logits(out.logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                       allow_cond=allow_cond)  # [B, N, V]
     u = uniforms(sampling.seed, dec.step, (N + 1,), stream=TARGET_STREAM)
     result = acceptance.accept(proposal.tokens, proposal.parents, proposal.valid, p, proposal.q,
                                u[:, :N], u[:, N], mode)
@@ -254,7 +256,7 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
         return plain_step(params, config, dparams, drafter, state, sampling, attention_fn)
 
     def speculative(state):
-        ctx = context(state, sampling)
+        ctx = context(state, sampling, allow_cond)
         proposal, dstate = drafter.propose(dparams, state.dstate, ctx)
         node = jnp.arange(proposal.valid.shape[1])[None, :]
         proposal = proposal._replace(valid=proposal.valid & (want[:, None] | (node == 0)))
@@ -264,7 +266,7 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
         def verify(state):
             before = state.stats.accepted
             new, result = verify_accept(params, config, drafter.tree, drafter.mode, state, proposal, sampling,
-                                        attention_fn, drafter.features)
+                                        attention_fn, drafter.features, allow_cond)
             new = new._replace(dstate=drafter.update(dparams, new.dstate, ctx, result),
                                counts=state.counts + 1)
             if adaptive is None:

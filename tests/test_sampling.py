@@ -146,6 +146,30 @@ def test_middle_axes_broadcast_per_row():
         np.testing.assert_allclose(out[1, n], ref_process(logits[1, n], 1.0, 4, 1.0), atol=1e-6)
 
 
+_no_cond = jax.jit(lambda lg, t, k, p: sampling.process_logits(lg, t, k, p, allow_cond=False))
+
+
+@pytest.mark.parametrize("rows", [
+    [(0.0, 0, 1.0)] * 3,  # all greedy: only the argmax runs
+    [(0.7, 0, 1.0), (1.3, 0, 1.0), (0.0, 0, 1.0)],  # temperature only: both bisections skipped
+    [(0.7, 5, 1.0), (1.0, 0, 1.0), (0.0, 3, 1.0)],  # top-k in one row: top-p skipped
+    [(0.7, 0, 0.8), (1.0, 0, 1.0), (0.0, 0, 0.5)],  # top-p in one row: top-k skipped
+    [(0.7, 5, 0.8), (1.0, 0, 1.0), (0.0, 0, 1.0)],  # everything
+])
+def test_skipping_unused_filters_is_bit_identical(rows):
+    """The lax.cond fast paths skip work no row needs; they must not change a single bit of any row (a skipped
+    filter that was not an exact no-op would change sampled tokens between the CPU/GPU and the Neuron program)."""
+    rng = np.random.default_rng(11)
+    logits = jnp.asarray(rng.standard_normal((3, 4, V)) * 3, jnp.float32)
+    t, k, p = (jnp.asarray(x) for x in zip(*rows))
+    t, k, p = t.astype(jnp.float32), k.astype(jnp.int32), p.astype(jnp.float32)
+    fast = np.asarray(process_logits(logits, t, k, p))
+    full = np.asarray(_no_cond(logits, t, k, p))
+    np.testing.assert_array_equal(fast, full)
+    assert "cond" in str(jax.make_jaxpr(sampling.process_logits)(logits, t, k, p))
+    assert "cond" not in str(jax.make_jaxpr(lambda *a: sampling.process_logits(*a, allow_cond=False))(logits, t, k, p))
+
+
 def test_process_logits_jits_once_for_new_values():
     traces = []
 

@@ -297,10 +297,11 @@ def test_planted_bug_residual_not_updated_is_caught(target, draft, prompt, exact
     assert res["p"] < FAIL_P, line
 
 
-def _q_without_top_p(self, dparams, logits, sampling):
+def _q_without_top_p(self, dparams, logits, sampling, allow_cond):
     """Planted bug: the draft samples from the top-p-processed distribution, but reports q without top-p."""
-    sampled = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    reported = process_logits(logits, sampling.temperature, sampling.top_k, jnp.ones_like(sampling.top_p))
+    sampled = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p, allow_cond=allow_cond)
+    reported = process_logits(logits, sampling.temperature, sampling.top_k, jnp.ones_like(sampling.top_p),
+                               allow_cond=allow_cond)
     assert dparams.get("d2t") is None
     return reported, sampled
 
@@ -322,7 +323,7 @@ def test_draft_that_ignores_top_p_everywhere_stays_lossless(target, draft, promp
 
     drafter, dparams = drafter_for("draft_model", draft)
     real = dm.process_logits
-    monkeypatch.setattr(dm, "process_logits", lambda lg, t, k, p: real(lg, t, k, jnp.ones_like(p)))
+    monkeypatch.setattr(dm, "process_logits", lambda lg, t, k, p, **kw: real(lg, t, k, jnp.ones_like(p), **kw))
     samples = sample_sequences(target, prompt, SETTINGS["top_p"], fresh(drafter), dparams, base_seed=4 * 10 ** 6)
     res = joint_test(samples, exact_joint(exact_logits, SETTINGS["top_p"]))
     line = report("draft without top-p (sampled and reported)", res)

@@ -31,6 +31,8 @@ class DraftContext(NamedTuple):
     sampling: SamplingArrays
     step: jax.Array  # [B] int32: RNG stream position
     target_hidden: Any  # (feats [B, D+1, F] of the root + accepted nodes of the last step, count [B]) or None
+    # Static (a Python bool, not an array): whether the compile policy allows lax.cond (see process_logits).
+    allow_cond: bool = True
 
 
 class Proposal(NamedTuple):

@@ -55,9 +55,9 @@ class DraftModelDrafter:
                       compute_logits=False)
         return out.cache
 
-    def _q(self, dparams, logits, sampling):
+    def _q(self, dparams, logits, sampling, allow_cond: bool):
         """Draft logits [B, Vd] -> (q over the target vocabulary [B, V], sampling probs over the draft vocab)."""
-        probs = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        probs = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p, allow_cond=allow_cond)
         d2t = dparams.get("d2t")
         if d2t is None:
             return probs, probs
@@ -79,14 +79,14 @@ class DraftModelDrafter:
         pos = jnp.stack([L - 1, L], axis=1)
         cache = dstate._replace(lengths=L - 1)
         out = forward(params, c, toks, pos, cache, logit_positions=jnp.ones((B, 1), jnp.int32))
-        q0, s0 = self._q(dparams, out.logits[:, 0], ctx.sampling)
+        q0, s0 = self._q(dparams, out.logits[:, 0], ctx.sampling, ctx.allow_cond)
         x0 = self._to_target(dparams, sample(s0, u[:, 0]).astype(jnp.int32))
         cache = out.cache._replace(lengths=L + 1)
 
         def body(carry, uk):
             cache, x = carry
             o = forward(params, c, x[:, None], cache.lengths[:, None], cache)
-            qk, sk = self._q(dparams, o.logits[:, 0], ctx.sampling)
+            qk, sk = self._q(dparams, o.logits[:, 0], ctx.sampling, ctx.allow_cond)
             xk = self._to_target(dparams, sample(sk, uk).astype(jnp.int32))
             return (o.cache._replace(lengths=cache.lengths + 1), xk), (xk, qk)
 
