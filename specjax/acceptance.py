@@ -47,6 +47,7 @@ __all__ = [
     "tree_depth",
     "typical_accept",
     "TypicalMode",
+    "greedy_accept_tree",
     "accept",
 ]
 
@@ -244,6 +245,34 @@ def accept_tree(tokens, parents, valid, p, q, u_accept, u_final, *, mode: str) -
     next_token = sample_from(P, jnp.asarray(u_final, _F32))
     num = jnp.sum(accepted, axis=-1, dtype=jnp.int32)
     return AcceptResult(accepted, num, last.astype(jnp.int32), next_token)
+
+
+def greedy_accept_tree(tokens, parents, valid, argmax_p) -> AcceptResult:
+    """`accept_tree` for a batch where every request is greedy, from the target's argmax alone.
+
+    tokens/parents/valid [B, N] as in `accept_tree`; argmax_p [B, N] int32: the argmax of the target's logits after
+    each node. With p = one_hot(argmax_p) the general walk accepts a child iff its token is the argmax at the
+    current node (u < 1 = P(x), and u * Q(x) < 1), a rejection leaves P one-hot at the same argmax (the residual
+    of a one-hot P is itself, or falls back to it), and the final sample is that argmax: the same result in every
+    mode and for any q and uniforms, computed on [B] scalars instead of N passes over [B, V] rows.
+    """
+    tokens, parents = jnp.asarray(tokens, jnp.int32), jnp.asarray(parents, jnp.int32)
+    valid, argmax_p = jnp.asarray(valid, bool), jnp.asarray(argmax_p, jnp.int32)
+    B, N = tokens.shape
+    # argmax_p[b, node[b]] as a one-hot select (no gather, like the rest of this module)
+    at = lambda node: jnp.sum(jnp.where(jnp.arange(N)[None, :] == node[:, None], argmax_p, 0), axis=1)
+
+    def step(cur, xs):
+        j, tok, par, ok = xs  # [] and [B] x3
+        want = at(cur)
+        acc = ok & (par == cur) & (j > 0) & (tok == want)
+        return jnp.where(acc, j, cur), acc
+
+    xs = (jnp.arange(N, dtype=jnp.int32), tokens.T, parents.T, valid.T)
+    last, accepted = jax.lax.scan(step, jnp.zeros((B,), jnp.int32), xs)
+    accepted = accepted.T
+    next_token = at(last)
+    return AcceptResult(accepted, jnp.sum(accepted, axis=-1, dtype=jnp.int32), last, next_token)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -173,11 +173,22 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spec
     positions = cache.lengths[:, None] + depth
     out = forward(params, config, proposal.tokens, positions, cache, tree_mask, attention_fn=attention_fn,
                   hidden_layers=feature_layers(features))
-    p = process_logits(out.logits, sampling.temperature, sampling.top_k, sampling.top_p,
-                       allow_cond=allow_cond)  # [B, N, V]
-    u = uniforms(sampling.seed, dec.step, (N + 1,), stream=TARGET_STREAM)
-    result = acceptance.accept(proposal.tokens, proposal.parents, proposal.valid, p, proposal.q,
-                               u[:, :N], u[:, N], mode)
+
+    def general(logits):
+        p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                           allow_cond=allow_cond)  # [B, N, V]
+        u = uniforms(sampling.seed, dec.step, (N + 1,), stream=TARGET_STREAM)
+        return acceptance.accept(proposal.tokens, proposal.parents, proposal.valid, p, proposal.q,
+                                 u[:, :N], u[:, N], mode)
+
+    def greedy(logits):  # the same AcceptResult from the argmax alone (see greedy_accept_tree)
+        return acceptance.greedy_accept_tree(proposal.tokens, proposal.parents, proposal.valid,
+                                             jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+    if allow_cond and not isinstance(mode, acceptance.TypicalMode):
+        result = jax.lax.cond(jnp.any(sampling.temperature > 0), general, greedy, out.logits)
+    else:
+        result = general(out.logits)
     running = dec.finish == FINISH_RUNNING
     path = acceptance.accepted_path(result.accepted, depth, D)  # [B, D]
     src = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), path], axis=1)

@@ -371,6 +371,10 @@ def test_greedy_one_hot_p_gives_matching_path(mode, greedy_drafter):
     np.testing.assert_array_equal(np.asarray(res.num_accepted), acc_ref.sum(1))
     np.testing.assert_array_equal(np.asarray(res.next_token), argmax[np.arange(B), last_ref])
     assert 0 < acc_ref.sum(1).mean() and acc_ref.sum(1).max() >= 3     # the batch really has long paths
+    # The verify step's all-greedy fast path must give exactly the general walk's result.
+    fast = jax.jit(A.greedy_accept_tree)(tokens, parents, valid, argmax.astype(np.int32))
+    for name in res._fields:
+        np.testing.assert_array_equal(np.asarray(getattr(fast, name)), np.asarray(getattr(res, name)), err_msg=name)
 
 
 def test_batch_with_different_accept_counts_and_accepted_path():
@@ -634,7 +638,7 @@ def _primitives(closed_jaxpr) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("fn", ["deterministic", "iid", "wor", "typical", "path"])
+@pytest.mark.parametrize("fn", ["deterministic", "iid", "wor", "typical", "path", "greedy"])
 def test_no_gather_scatter_sort_or_cond(fn):
     B, N, Vs = 2, 5, 7
     t = jnp.zeros((B, N), jnp.int32)
@@ -647,6 +651,8 @@ def test_no_gather_scatter_sort_or_cond(fn):
         jx = jax.make_jaxpr(lambda *a: accept_tree(*a, mode=fn))(t, par, ok, p, p, u, uf)
     elif fn == "typical":
         jx = jax.make_jaxpr(lambda *a: typical_accept(*a, u_final=uf))(t, par, ok, p)
+    elif fn == "greedy":
+        jx = jax.make_jaxpr(A.greedy_accept_tree)(t, par, ok, t)
     else:
         jx = jax.make_jaxpr(lambda a, pa: accepted_path(a, tree_depth(pa), 3))(ok, par)
     prims = _primitives(jx)
