@@ -319,7 +319,8 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
             times["verify"].append(t3 - t)
             if adaptive is not None:
                 got = np.asarray(state.stats.accepted) - before
-                gain, idle, gap = spec_engine.backoff_update(adaptive, floor, gain, g, idle, gap, had, got, xp=np)
+                gain, idle, gap = spec_engine.backoff_update(adaptive, floor, gain, g, idle, gap, want & running,
+                                                             got, xp=np)
         if host is not None:
             host.observe(state, n)
         if adaptive is not None and len(times["plain"]) > 1 and len(times["verify"]) > 1:

@@ -83,14 +83,21 @@ def backoff_decide(adaptive: Adaptive, floor, gain, idle, gap, running, xp=jnp):
     return g, gap, want, batch
 
 
-def backoff_update(adaptive: Adaptive, floor, gain, g, idle, gap, had, got, xp=jnp):
+def backoff_update(adaptive: Adaptive, floor, gain, g, idle, gap, took, got, xp=jnp):
     """The back-off state after a verify step (pure). gain [B] as stored, g/gap [B] from `backoff_decide`,
-    had [B] bool (the row verified a proposal), got [B] accepted tokens. Returns (gain, idle, gap)."""
+    took [B] bool: the row took part in the verify (running and wanting to speculate), got [B] accepted tokens.
+
+    A row that took part but had nothing to propose (an n-gram miss) counts as 0 accepted: in a batch the verify
+    forward is paid whenever any row proposes, so a row's gain must be its mean over the verify steps it rode
+    along in, not over its hits only (which kept a batch of rarely-hitting rows speculating at 0.7x). At batch 1
+    a step where the only row has nothing to propose is a plain step, so there the two means coincide.
+    Returns (gain, idle, gap)."""
     new = adaptive.decay * g + (1 - adaptive.decay) * got
-    failed_probe = had & (g < floor) & (new < floor)
+    failed_probe = took & (g < floor) & (new < floor)
     limit = adaptive.probe_every * adaptive.max_gap_factor
-    gap = xp.where(failed_probe, xp.minimum(2 * gap, limit), xp.where(had & (new >= floor), adaptive.probe_every, gap))
-    return xp.where(had, new, gain), xp.where(had, 0, idle + 1), gap
+    gap = xp.where(failed_probe, xp.minimum(2 * gap, limit),
+                   xp.where(took & (new >= floor), adaptive.probe_every, gap))
+    return xp.where(took, new, gain), xp.where(took, 0, idle + 1), gap
 
 
 class SpecState(NamedTuple):
@@ -283,7 +290,8 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
             if adaptive is None:
                 return new
             got = (new.stats.accepted - before).astype(jnp.float32)
-            gain, idle, gap_new = backoff_update(adaptive, floor, state.gain, g, state.idle, gap, had, got)
+            gain, idle, gap_new = backoff_update(adaptive, floor, state.gain, g, state.idle, gap, want & running,
+                                                 got)
             return new._replace(gain=gain, idle=idle, gap=gap_new)
 
         if not allow_cond:

@@ -159,3 +159,27 @@ def test_batch_backs_off_only_when_the_mean_gain_is_low():
     _, _, _, batch = spec_engine.backoff_decide(rule, 1.0, np.array([2.0, 0.1, 0.1, 9.0]), np.array([0, 0, 16, 0]),
                                                 gap, running, xp=np)
     assert batch  # a row idle for four gaps forces a probe of the batch
+
+
+def test_batch_of_rarely_hitting_rows_backs_off():
+    """Four rows that each propose on one step in four (an n-gram that rarely matches) and get 2 tokens when they
+    do: some row proposes at every step, so the batch pays a verify forward every step for a mean of 0.5 accepted
+    tokens per row, below the break-even of 1. Counting a row's misses in the steps it rode along in as 0 makes
+    the batch back off; counting hits only (gain 2) would keep it verifying at a loss forever."""
+    rule = spec_engine.Adaptive(min_gain=1.0, probe_every=4, max_gap_factor=8)
+    B, floor = 4, 1.0
+    gain, idle, gap = np.full(B, np.inf), np.zeros(B, int), np.zeros(B, int)
+    running = np.ones(B, bool)
+    verified = []
+    for step in range(200):
+        g, gap, want, batch = spec_engine.backoff_decide(rule, floor, gain, idle, gap, running, xp=np)
+        hits = (np.arange(B) + step) % 4 == 0
+        if not (batch and np.any(hits & want)):
+            idle = idle + 1
+            verified.append(False)
+            continue
+        got = np.where(hits & want, 2.0, 0.0)
+        gain, idle, gap = spec_engine.backoff_update(rule, floor, gain, g, idle, gap, want & running, got, xp=np)
+        verified.append(True)
+    assert sum(verified[100:]) <= 20, sum(verified[100:])  # a few probes, not a verify every step
+    assert np.all(gain < floor)
