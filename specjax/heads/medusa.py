@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.llama import lm_head
+
 LM_HEADS = ("target", "shared", "per_head")
 
 
@@ -174,7 +176,7 @@ def head_logits(hidden: jax.Array, lm: jax.Array) -> jax.Array:
     heads) or [K, Vd, H] (one per head; the first k are used)."""
     hidden = hidden.astype(lm.dtype)
     if lm.ndim == 2:
-        return jnp.einsum("...kh,vh->...kv", hidden, lm, preferred_element_type=jnp.float32)
+        return lm_head({"embed": lm}, hidden)  # the [Vd, H]-first product (see llama.lm_head)
     k = hidden.shape[-2]
     return jnp.einsum("...kh,kvh->...kv", hidden, lm[:k], preferred_element_type=jnp.float32)
 

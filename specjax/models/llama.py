@@ -265,7 +265,13 @@ def lm_head(params: dict, x: jax.Array) -> jax.Array:
     """x [..., H] -> logits [..., V] float32 (tied embeddings when there is no `lm_head`)."""
     if "lm_head" in params:
         return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
+    # The embedding [V, H] goes first in the product, giving [V, N] and a transpose: XLA:CPU then runs one
+    # weight-streaming kernel, where x @ embed.T took a small-M matrix-product path that cost about twice as
+    # much for the 5-13 token verify blocks (SmolLM2's 28M-parameter head: 26 -> 12 ms at 8 tokens).
+    lead = x.shape[:-1]
+    out = jax.lax.dot_general(params["embed"], x.reshape(-1, x.shape[-1]), (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.float32)  # [V, N]
+    return out.T.reshape(*lead, out.shape[0])
 
 
 def cast_params(params: dict, dtype) -> dict:
