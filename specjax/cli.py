@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="candidate draft tree sizes, root excluded (medusa: the first N paths of the heads' default "
                          "tree; eagle/eagle3: total_tokens N at depth min(depth, N)); sizes the method cannot "
                          "build are skipped with a message")
+    tn.add_argument("--reps", type=int, default=2, help="timed generations per prompt and setting; each prompt keeps "
+                                                        "its fastest (the least disturbed by anything else running)")
+    tn.add_argument("--cost-prompts", dest="cost_prompts", type=int, default=2,
+                    help="prompts on which plain and speculative steps are timed in the generation loop")
     tn.add_argument("--no-validate", action="store_true", help="skip measuring every candidate end to end")
     tn.add_argument("--json", help="write the full result here")
     th = sub.add_parser("train-head", help="train a draft model, Medusa heads or an EAGLE/EAGLE-3 head from a YAML "
@@ -219,7 +223,8 @@ def cmd_tune(args) -> int:
     llm = _llm(cfg)
     try:
         result = tune.tune(llm, cfg.speculative, prompts, args.gammas, cfg.sampling.max_new_tokens,
-                           validate=not args.no_validate, tree_sizes=args.tree_sizes)
+                           validate=not args.no_validate, tree_sizes=args.tree_sizes, reps=args.reps,
+                           num_cost_prompts=args.cost_prompts)
     except tune.TuneError as e:
         print(f"specjax: error: {e}", file=sys.stderr)
         return 2

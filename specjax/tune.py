@@ -11,6 +11,13 @@ that circulates); that closed form is printed next to the measured one. P(depth 
 measurement run at the largest gamma: for a chain, truncating it to gamma' does not change whether the first
 gamma' tokens are accepted, so one run gives the curve for every shorter gamma.
 
+Costs are timed inside the real generation loop, not in micro-benchmarks: a short generation at each setting (two
+prompts, speculation forced on) gives the seconds of one speculative step, draft and verify and acceptance
+together, and a plain generation the seconds of one plain step. A forward timed alone at a fixed context was
+noisy and up to 1.5x the cost of the same forward inside the compiled loop (reports/tune_cpu). Every timed
+generation runs after a warm-up that compiled every prompt bucket it meets, and each prompt keeps its fastest of
+`reps` runs.
+
 Tree drafters (medusa, eagle, eagle3): a size s is s drafted nodes (root excluded). Which path wins depends on
 every branch kept, and an EAGLE tree re-ranks its candidates with the budget, so acceptance cannot be read off one
 run by truncation: it is measured at every size. A step yields E[tokens | s] = 1 + accepted / verify step and costs
@@ -41,8 +48,9 @@ class TuneError(ValueError):
 
 @dataclasses.dataclass
 class Costs:
-    verify_s: dict[int, float]  # tokens per target forward -> seconds
-    draft_s: dict[int, float]  # gamma (chain) or tree size -> seconds of one propose
+    plain_s: float  # seconds of one plain decode step inside the generation loop
+    step_s: dict[int, float]  # gamma (chain) or tree size -> seconds of one speculative step inside the loop
+    draft_s: dict[int, float] = dataclasses.field(default_factory=dict)  # same keys -> one propose timed alone
 
 
 @dataclasses.dataclass
@@ -54,6 +62,7 @@ class Acceptance:
     verify_steps: int = 0
     plain_steps: int = 0  # steps with nothing proposed (an n-gram miss): one plain forward, one token
     per_position_accepted: list = dataclasses.field(default_factory=list)
+    per_prompt_verify_steps: list = dataclasses.field(default_factory=list)
 
     @property
     def alpha(self) -> float:
@@ -75,21 +84,74 @@ def _best_time(f, *args, reps: int = 5) -> float:
     return best
 
 
-def measure_verify_costs(llm, sizes: Sequence[int], context: int = 256, capacity: int = 512) -> dict[int, float]:
-    """Seconds of one target forward over n tokens (n in sizes) at batch 1 with `context` committed tokens."""
-    from specjax.kv_cache import init_cache
-    from specjax.models.llama import forward
+def prompt_bucket(llm, prompt) -> int:
+    """The prompt-length bucket a chat prompt compiles for (`engine.make_buckets` rounds to a power of two)."""
+    from specjax.engine import _pow2
 
-    c = llm.config
-    out = {}
-    for n in sizes:
-        cache = init_cache(c.num_layers, 1, capacity, c.num_kv_heads, c.head_dim, llm.params["embed"].dtype)
-        cache = cache._replace(lengths=jnp.array([context], jnp.int32))
-        tok = jnp.ones((1, n), jnp.int32)
-        pos = context + jnp.arange(n)[None]
-        f = jax.jit(lambda p, ca, t, ps: forward(p, c, t, ps, ca, attention_fn=llm._attention_fn).logits)
-        out[n] = _best_time(f, llm.params, cache, tok, pos)
-    return out
+    return _pow2(len(llm.encode_prompt(prompt, True)), 16)
+
+
+def warm_up(llm, prompts: list, spec: SpeculativeConfig | None, sp: SamplingParams) -> None:
+    """Generate one prompt of every prompt bucket among `prompts`, so that timed runs compile nothing (a compile
+    inside a timed run once made one setting look 2x faster than the rest: it alone had been warmed on all)."""
+    seen = {}
+    for p in prompts:
+        seen.setdefault(prompt_bucket(llm, p), p)
+    for p in seen.values():
+        llm.generate([p], sp, spec, chat=True)
+
+
+@dataclasses.dataclass
+class Run:
+    """One setting's generations at batch 1, each prompt's fastest of the repetitions (compile excluded)."""
+
+    decode_s: float = 0.0  # wall time after the first token (prefill is the same for every method)
+    tokens: int = 0  # tokens emitted after the first
+    verify_steps: int = 0
+    plain_steps: int = 0  # steps that decoded one token without a verify (nothing proposed)
+    outputs: list = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s else 0.0
+
+
+def timed_run(llm, prompts: list, spec: SpeculativeConfig | None, sp: SamplingParams, reps: int = 2) -> Run:
+    """Warm up, then generate every prompt `reps` times at batch 1 and keep each prompt's fastest decode."""
+    warm_up(llm, prompts, spec, sp)
+    run = Run()
+    for p in prompts:
+        best = None
+        for _ in range(max(reps, 1)):
+            o = llm.generate([p], sp, spec, chat=True)[0]
+            if best is None or o.metrics.total_time - o.metrics.time_to_first_token < best[0]:
+                best = (o.metrics.total_time - o.metrics.time_to_first_token, o)
+        o = best[1]
+        run.decode_s += best[0]
+        run.tokens += o.metrics.new_tokens - 1
+        m = o.metrics
+        forwards = m.new_tokens if m.target_forwards is None else m.target_forwards  # plain: prefill + 1 per token
+        run.verify_steps += m.verify_steps or 0
+        run.plain_steps += forwards - 1 - (m.verify_steps or 0)
+        run.outputs.append(o)
+    return run
+
+
+def measure_loop_costs(llm, settings: dict[int, SpeculativeConfig], prompts: list, sp: SamplingParams,
+                       reps: int = 2) -> Costs:
+    """Seconds of one plain step and of one speculative step of every setting, timed inside the generation loop on
+    `prompts` (speculation forced on: back-off off). A run's plain steps (nothing proposed) are charged at the
+    plain step's cost; the rest of its time is its verify steps'."""
+    plain = timed_run(llm, prompts, None, sp, reps)
+    plain_s = plain.decode_s / max(plain.tokens, 1)
+    step_s = {}
+    for k, spec in settings.items():
+        r = timed_run(llm, prompts, dataclasses.replace(spec, adaptive=False), sp, reps)
+        if r.verify_steps == 0:
+            raise TuneError(f"setting {k} proposed nothing on the cost prompts, so its step cost cannot be timed; "
+                            "pass prompts the drafter can continue (e.g. --limit with more prompts)")
+        step_s[k] = max(r.decode_s - r.plain_steps * plain_s, 0.0) / r.verify_steps
+    return Costs(plain_s, step_s)
 
 
 def measure_draft_cost(llm, spec: SpeculativeConfig, prompt: list[int]) -> float:
@@ -125,6 +187,7 @@ def measure_acceptance(llm, spec: SpeculativeConfig, prompts: list, sp: Sampling
         acc.plain_steps += m.target_forwards - 1 - m.verify_steps
         acc.accepted += m.accepted
         acc.drafted += m.drafted
+        acc.per_prompt_verify_steps.append(m.verify_steps)
     return acc
 
 
@@ -141,12 +204,12 @@ def leviathan_expected_tokens(alpha: float, gamma: int) -> float:
 
 
 def _prediction(costs: Costs, key: int, e: float, steps: int, plain_steps: int) -> dict:
-    """Predicted tokens/s of one setting: `steps` verify steps of E[tokens] = e over t_draft(key) + t_verify(key + 1),
-    plus `plain_steps` plain forwards of one token each."""
-    plain = 1.0 / costs.verify_s[1]
-    step = costs.draft_s.get(key, 0.0) + costs.verify_s[key + 1]
+    """Predicted tokens/s of one setting: `steps` speculative steps of E[tokens] = e at `costs.step_s[key]` each,
+    plus `plain_steps` plain steps of one token each."""
+    plain = 1.0 / costs.plain_s
+    step = costs.step_s[key]
     tokens = plain_steps + steps * e
-    seconds = plain_steps * costs.verify_s[1] + steps * step
+    seconds = plain_steps * costs.plain_s + steps * step
     tps = tokens / seconds
     return {"expected_tokens": e, "step_s": step, "tokens_per_s": tps, "speedup": tps / plain}
 
@@ -160,7 +223,7 @@ def predict(costs: Costs, pos_accepted: np.ndarray, steps: int, gammas: Sequence
 
 def predict_tree(costs: Costs, acceptance: dict[int, Acceptance]) -> dict[int, dict]:
     """Predicted tokens/s per tree size s from the acceptance measured at that size:
-    (1 + accepted / verify step) / (t_draft(s) + t_verify(s + 1)), plain steps (if any) at one token each."""
+    (1 + accepted / verify step) / t_step(s), plain steps (if any) at one token each."""
     return {s: _prediction(costs, s, a.expected_tokens, a.verify_steps, a.plain_steps)
             for s, a in acceptance.items()}
 
@@ -240,31 +303,16 @@ def _tree_depth(spec: SpeculativeConfig) -> int:
 
 
 # ============================================================================================ validation
-def run_tokens_per_s(llm, prompts: list, spec: SpeculativeConfig | None, sp: SamplingParams) -> tuple[float, list]:
-    """Measured tokens/s over the prompts at batch 1 (compile excluded), plus the outputs."""
-    llm.generate(prompts[:1], sp, spec, chat=True)
-    toks = 0
-    t_total = 0.0
-    outs = []
-    for p in prompts:
-        o = llm.generate([p], sp, spec, chat=True)[0]
-        # decode-only time: TTFT (prefill) is the same for every method and not what speculation changes
-        toks += o.metrics.new_tokens - 1
-        t_total += o.metrics.total_time - o.metrics.time_to_first_token
-        outs.append(o)
-    return toks / t_total, outs
-
-
 def validate_settings(llm, prompts: list, sp: SamplingParams, settings: dict[int, SpeculativeConfig],
                       pred: dict[int, dict], chosen: int, label: str,
-                      columns: Sequence[tuple[str, Callable[[int], float]]], log=print) -> dict:
+                      columns: Sequence[tuple[str, Callable[[int], float]]], log=print, reps: int = 2) -> dict:
     """Measure plain decoding and every setting end to end, print predicted against measured speedup (one row per
     setting; `columns` are extra (header, value of setting) columns), and say whether the chosen setting's error is
     within TOLERANCE. Returns the entries `tune` adds to its result."""
-    plain_tps, _ = run_tokens_per_s(llm, prompts, None, sp)
+    plain_tps = timed_run(llm, prompts, None, sp, reps).tokens_per_s
     measured = {}
     for k, s in settings.items():
-        tps, _ = run_tokens_per_s(llm, prompts, s, sp)
+        tps = timed_run(llm, prompts, s, sp, reps).tokens_per_s
         measured[k] = {"tokens_per_s": tps, "speedup": tps / plain_tps}
     errors = {k: (pred[k]["speedup"] - measured[k]["speedup"]) / measured[k]["speedup"] for k in settings}
     w = max(3, len(label))
@@ -295,30 +343,44 @@ def _say_if_it_pays(speedup: float, log) -> bool:
     return False
 
 
-def _log_verify_costs(costs: Costs, log) -> None:
-    log("  " + ", ".join(f"{n}: {1000 * t:.1f} ms" for n, t in costs.verify_s.items()))
+def _log_costs(costs: Costs, label: str, log) -> None:
+    log(f"  plain step {1000 * costs.plain_s:.1f} ms; speculative step (draft + verify + accept): "
+        + ", ".join(f"{label}={k}: {1000 * t:.1f} ms ({t / costs.plain_s:.2f}x)" for k, t in costs.step_s.items()))
+    if costs.draft_s:
+        log("  of which one propose (timed alone): "
+            + ", ".join(f"{label}={k}: {1000 * t:.1f} ms" for k, t in costs.draft_s.items()))
+
+
+def cost_prompts(prompts: list, acc: Acceptance, n: int) -> list:
+    """The n prompts with the most verify steps in the acceptance run (a prompt the drafter never continues
+    cannot time a speculative step)."""
+    order = sorted(range(len(prompts)), key=lambda i: -acc.per_prompt_verify_steps[i])
+    return [prompts[i] for i in sorted(order[:n])]
 
 
 def tune(llm, spec: SpeculativeConfig, prompts: list, gammas: Sequence[int] = DEFAULT_GAMMAS,
          max_new_tokens: int = 64, validate: bool = True, log=print,
-         tree_sizes: Sequence[int] = DEFAULT_TREE_SIZES) -> dict:
-    """Measure costs and acceptance and choose gamma (chain methods, from `gammas`) or the tree size (medusa, eagle,
-    eagle3, from `tree_sizes`); then (validate) measure every candidate end to end for the comparison."""
+         tree_sizes: Sequence[int] = DEFAULT_TREE_SIZES, reps: int = 2, num_cost_prompts: int = 2) -> dict:
+    """Measure acceptance and costs and choose gamma (chain methods, from `gammas`) or the tree size (medusa, eagle,
+    eagle3, from `tree_sizes`); then (validate) measure every candidate end to end for the comparison.
+
+    Costs are timed in the generation loop on the `num_cost_prompts` prompts with the most verify steps; every
+    timed generation keeps each prompt's fastest of `reps` runs."""
     if spec.method in TREE_METHODS:
-        return tune_tree(llm, spec, prompts, tree_sizes, max_new_tokens, validate, log)
+        return tune_tree(llm, spec, prompts, tree_sizes, max_new_tokens, validate, log, reps, num_cost_prompts)
     sp = SamplingParams(max_new_tokens=max_new_tokens)
     gmax = max(gammas)
-    log(f"measuring target forward cost for 1..{gmax + 1} tokens")
-    costs = Costs(measure_verify_costs(llm, range(1, gmax + 2)), {})
-    _log_verify_costs(costs, log)
-    first = llm.encode_prompt(prompts[0], True)
-    costs.draft_s = measure_draft_costs(llm, spec, gammas, first)
-    log("draft cost per propose: " + ", ".join(f"γ={g}: {1000 * t:.1f} ms" for g, t in costs.draft_s.items()))
     probe = dataclasses.replace(spec, num_speculative_tokens=gmax, adaptive=False)
     log(f"measuring acceptance at γ={gmax} on {len(prompts)} prompts")
     acc = measure_acceptance(llm, probe, prompts, sp, gmax)
     pos = np.asarray(acc.per_position_accepted, float)
     alpha = acc.alpha
+    settings = {g: dataclasses.replace(spec, num_speculative_tokens=g, adaptive=False) for g in gammas}
+    cprompts = cost_prompts(prompts, acc, num_cost_prompts)
+    log(f"timing plain and speculative steps in the generation loop on {len(cprompts)} prompts")
+    costs = measure_loop_costs(llm, settings, cprompts, sp, reps)
+    costs.draft_s = measure_draft_costs(llm, spec, gammas, llm.encode_prompt(cprompts[0], True))
+    _log_costs(costs, "γ", log)
     pred = predict(costs, pos, acc.verify_steps, gammas, acc.plain_steps)
     best = choose(pred)
     result = {"costs": dataclasses.asdict(costs), "alpha": alpha, "per_position_accepted": pos.tolist(),
@@ -328,19 +390,19 @@ def tune(llm, spec: SpeculativeConfig, prompts: list, gammas: Sequence[int] = DE
     result["speculation_pays"] = _say_if_it_pays(pred[best]["speedup"], log)
     if validate:
         # Back-off off, as in the model; production runs keep it on for the chosen gamma.
-        settings = {g: dataclasses.replace(spec, num_speculative_tokens=g, adaptive=False) for g in gammas}
         v = validate_settings(llm, prompts, sp, settings, pred, best, "γ",
                               [("E[tok] meas", lambda g: pred[g]["expected_tokens"]),
-                               ("E[tok] Leviathan", lambda g: leviathan_expected_tokens(alpha, g))], log)
+                               ("E[tok] Leviathan", lambda g: leviathan_expected_tokens(alpha, g))], log, reps)
         v["measured_fastest_gamma"] = v.pop("measured_fastest")
         result.update(v)
     return result
 
 
 def tune_tree(llm, spec: SpeculativeConfig, prompts: list, tree_sizes: Sequence[int] = DEFAULT_TREE_SIZES,
-              max_new_tokens: int = 64, validate: bool = True, log=print) -> dict:
-    """Choose the draft tree size of a tree method (medusa, eagle, eagle3): measure the verify cost of s + 1 tokens,
-    the draft cost and the acceptance at every valid size s, predict tokens/s, pick the best; then (validate)
+              max_new_tokens: int = 64, validate: bool = True, log=print, reps: int = 2,
+              num_cost_prompts: int = 2) -> dict:
+    """Choose the draft tree size of a tree method (medusa, eagle, eagle3): measure the acceptance at every valid
+    size s, time a step of each size in the generation loop, predict tokens/s, pick the best; then (validate)
     measure every size end to end."""
     sp = SamplingParams(max_new_tokens=max_new_tokens)
     settings, skipped = tree_configs(llm, spec, tree_sizes)
@@ -350,14 +412,14 @@ def tune_tree(llm, spec: SpeculativeConfig, prompts: list, tree_sizes: Sequence[
         raise TuneError(f"no valid tree size among {list(tree_sizes)} for method {spec.method!r}; pass "
                          "--tree-sizes with sizes the method allows (see the messages above)")
     sizes = sorted(settings)
-    log(f"measuring target forward cost for {', '.join(str(n) for n in [1] + [s + 1 for s in sizes])} tokens")
-    costs = Costs(measure_verify_costs(llm, sorted({1} | {s + 1 for s in sizes})), {})
-    _log_verify_costs(costs, log)
-    first = llm.encode_prompt(prompts[0], True)
-    costs.draft_s = {s: measure_draft_cost(llm, settings[s], first) for s in sizes}
-    log("draft cost per propose: " + ", ".join(f"s={s}: {1000 * t:.1f} ms" for s, t in costs.draft_s.items()))
     log(f"measuring acceptance at tree sizes {', '.join(map(str, sizes))} on {len(prompts)} prompts")
     acceptance = {s: measure_acceptance(llm, settings[s], prompts, sp, _tree_depth(settings[s])) for s in sizes}
+    cprompts = cost_prompts(prompts, acceptance[sizes[-1]], num_cost_prompts)
+    log(f"timing plain and speculative steps in the generation loop on {len(cprompts)} prompts")
+    costs = measure_loop_costs(llm, settings, cprompts, sp, reps)
+    first = llm.encode_prompt(cprompts[0], True)
+    costs.draft_s = {s: measure_draft_cost(llm, settings[s], first) for s in sizes}
+    _log_costs(costs, "s", log)
     pred = predict_tree(costs, acceptance)
     best = choose(pred)
     tree = {s: ({"tree_choices": [list(c) for c in settings[s].tree_choices]} if spec.method == "medusa"
@@ -373,7 +435,7 @@ def tune_tree(llm, spec: SpeculativeConfig, prompts: list, tree_sizes: Sequence[
     if validate:
         v = validate_settings(llm, prompts, sp, settings, pred, best, "size",
                               [("E[tok] meas", lambda s: pred[s]["expected_tokens"]),
-                               ("alpha", lambda s: acceptance[s].alpha)], log)
+                               ("alpha", lambda s: acceptance[s].alpha)], log, reps)
         v["measured_fastest_tree_size"] = v.pop("measured_fastest")
         result.update(v)
     return result

@@ -36,7 +36,7 @@ def _closed(choices) -> bool:
 
 # ============================================================================================ arithmetic
 def test_predict_chain_matches_hand_computation():
-    costs = tune.Costs({1: 0.010, 2: 0.011, 3: 0.012, 5: 0.015}, {1: 0.001, 2: 0.002, 4: 0.004})
+    costs = tune.Costs(0.010, {1: 0.012, 2: 0.014, 4: 0.019})
     pos = np.array([8.0, 6.0, 3.0, 1.0])  # accepted counts at depth 1..4 over 10 verify steps
     pred = tune.predict(costs, pos, 10, [1, 2, 4])
     # gamma 1: E = 1.8, step 0.012; gamma 2: E = 2.4, step 0.014; gamma 4: E = 2.8, step 0.019
@@ -52,7 +52,7 @@ def test_predict_chain_matches_hand_computation():
 
 
 def test_predict_tree_matches_hand_computation_and_picks_the_best_size():
-    costs = tune.Costs({1: 0.010, 5: 0.012, 9: 0.016}, {4: 0.002, 8: 0.003})
+    costs = tune.Costs(0.010, {4: 0.014, 8: 0.019})
     acc = {4: tune.Acceptance(accepted=30, drafted=80, verify_steps=20),
            8: tune.Acceptance(accepted=44, drafted=160, verify_steps=20)}
     pred = tune.predict_tree(costs, acc)
@@ -173,7 +173,7 @@ def test_tune_tree_end_to_end_on_a_tiny_eagle_head(target, tmp_path):
         a = result["acceptance"][s]
         assert 0 <= a["accepted"] <= a["drafted"] and a["verify_steps"] > 0
         assert pred[s]["expected_tokens"] == pytest.approx(1 + a["accepted"] / a["verify_steps"])
-        assert result["costs"]["verify_s"][s + 1] > 0 and result["costs"]["draft_s"][s] > 0
+        assert result["costs"]["step_s"][s] > 0 and result["costs"]["draft_s"][s] > 0
         assert result["measured"][s]["tokens_per_s"] > 0
         m = result["measured"][s]["speedup"]
         assert result["errors"][s] == pytest.approx((pred[s]["speedup"] - m) / m)
@@ -192,3 +192,56 @@ def test_says_when_no_setting_beats_plain_decoding():
     assert "plain decoding" in said[0] and "0.80x" in said[0]
     said.clear()
     assert tune._say_if_it_pays(1.2, said.append) and said == []
+
+
+# ============================================================================================ timing
+def test_timed_runs_compile_nothing_after_the_warm_up(target):
+    """Prompts of two length buckets: warm_up compiles both, so the timed repetitions compile nothing (a compile
+    inside one setting's timed run once skewed a whole validation table)."""
+    config, params = target
+    llm = tiny_llm(config, params)
+    prompts = [PROMPTS[0], list(range(1, 41))]  # buckets 16 and 64
+    assert len({tune.prompt_bucket(llm, p) for p in prompts}) == 2
+    sp = tune.SamplingParams(max_new_tokens=6)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=False)
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        tune.warm_up(llm, prompts, spec, sp)
+        assert compiles, "the warm-up should have compiled the two buckets"
+        compiles.clear()
+        orig = tune.warm_up
+        tune.warm_up = lambda *a: None  # time the runs alone
+        try:
+            run = tune.timed_run(llm, prompts, spec, sp, reps=2)
+        finally:
+            tune.warm_up = orig
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    assert run.tokens == sum(o.metrics.new_tokens - 1 for o in run.outputs) and run.decode_s > 0
+    assert run.verify_steps + run.plain_steps == sum(o.metrics.target_forwards - 1 for o in run.outputs)
+
+
+def test_loop_costs_charge_plain_steps_at_the_plain_cost(monkeypatch):
+    """step_s = (decode time - plain steps * plain step) / verify steps, from hand-made runs."""
+    runs = {None: tune.Run(decode_s=1.0, tokens=100), 2: tune.Run(decode_s=2.0, tokens=80, verify_steps=30,
+                                                                      plain_steps=10)}
+    monkeypatch.setattr(tune, "timed_run",
+                        lambda llm, prompts, spec, sp, reps: runs[None if spec is None else spec.num_speculative_tokens])
+    costs = tune.measure_loop_costs(None, {2: SpeculativeConfig(method="ngram", num_speculative_tokens=2)}, [], None)
+    assert costs.plain_s == pytest.approx(0.01)
+    assert costs.step_s[2] == pytest.approx((2.0 - 10 * 0.01) / 30)
+    runs[2] = tune.Run(decode_s=1.0, tokens=100, plain_steps=100)
+    with pytest.raises(tune.TuneError, match="proposed nothing"):
+        tune.measure_loop_costs(None, {2: SpeculativeConfig(method="ngram", num_speculative_tokens=2)}, [], None)
+
+
+def test_cost_prompts_are_the_ones_with_most_verify_steps():
+    acc = tune.Acceptance(per_prompt_verify_steps=[3, 0, 9, 5])
+    assert tune.cost_prompts(["a", "b", "c", "d"], acc, 2) == ["c", "d"]
