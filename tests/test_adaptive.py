@@ -120,6 +120,29 @@ def test_generate_calibrates_once_in_one_compiled_loop():
     assert {k: v for k, v in llm._drafters.items() if isinstance(k, tuple) and k[0] == "break_even"} == floors
 
 
+def test_next_call_starts_with_the_probe_gap_this_one_reached():
+    """A drafter that never pays (break-even set out of reach) backs off, and its probe gap doubles; the next call
+    of the same config starts with that gap instead of probing again at `probe_every`, so it verifies less often
+    than the same call made with the remembered gap removed."""
+    config = tiny_config(V)
+    rng = np.random.default_rng(2)
+    motif = rng.integers(1, V, 5).tolist()
+    prompt = [motif * 5]
+    greedy = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    second = {}
+    for keep in (True, False):
+        llm = tiny_llm(config, tiny_params(config, seed=3))
+        llm._drafters[("break_even", spec, 1)] = 50.0  # skip calibration: speculation never pays
+        first = llm.generate(prompt, greedy, speculative_config=spec)[0].metrics
+        gap = llm._drafters[("probe_gap", spec, 1)]
+        assert gap > 16 and first.verify_steps >= 3
+        if not keep:
+            del llm._drafters[("probe_gap", spec, 1)]
+        second[keep] = llm.generate(prompt, greedy, speculative_config=spec)[0].metrics.verify_steps
+    assert second[True] < second[False], second
+
+
 def test_probe_gap_doubles_after_failed_probes_and_resets_on_success():
     """One row, break-even 1.0: it backs off, probes after 4 idle steps, then 8, 16, 16 (the cap) while its
     probes fail; a successful probe brings it back to speculating with the gap reset. Device and host share
