@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "build are skipped with a message")
     tn.add_argument("--reps", type=int, default=2, help="timed generations per prompt and setting; each prompt keeps "
                                                         "its fastest (the least disturbed by anything else running)")
-    tn.add_argument("--cost-prompts", dest="cost_prompts", type=int, default=2,
+    tn.add_argument("--cost-prompts", dest="cost_prompts", type=int, default=3,
                     help="prompts on which plain and speculative steps are timed in the generation loop")
     tn.add_argument("--no-validate", action="store_true", help="skip measuring every candidate end to end")
     tn.add_argument("--json", help="write the full result here")

@@ -269,38 +269,44 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
     else:
         floor = jnp.float32(adaptive.min_gain) if min_gain is None else min_gain.astype(jnp.float32)
         g, gap, want, batch = backoff_decide(adaptive, floor, state.gain, state.idle, state.gap, running)
+    ctx = context(state, sampling, allow_cond)
+
+    def draft(state):
+        proposal, dstate = drafter.propose(dparams, state.dstate, ctx)
+        node = jnp.arange(proposal.valid.shape[1])[None, :]
+        return proposal._replace(valid=proposal.valid & (want[:, None] | (node == 0))), dstate
+
+    def no_draft(state):
+        shapes = jax.eval_shape(draft, state)[0]
+        return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), state.dstate
+
+    # Two conds one after the other, never one inside the other: the draft (or nothing, when the batch backs off),
+    # then the verify or a plain step. Both branches of the second update the target KV cache; inside another
+    # cond's branch XLA:CPU copied every cache layer twice per verify step, even with region analysis on.
+    if allow_cond and adaptive is not None:
+        proposal, dstate = jax.lax.cond(batch, draft, no_draft, state)
+    else:
+        proposal, dstate = draft(state)
+    state = state._replace(dstate=dstate)
+    had = jnp.any(proposal.valid[:, 1:], axis=1) & running
 
     def plain(state):
         return plain_step(params, config, dparams, drafter, state, sampling, attention_fn)
 
-    def speculative(state):
-        ctx = context(state, sampling, allow_cond)
-        proposal, dstate = drafter.propose(dparams, state.dstate, ctx)
-        node = jnp.arange(proposal.valid.shape[1])[None, :]
-        proposal = proposal._replace(valid=proposal.valid & (want[:, None] | (node == 0)))
-        state = state._replace(dstate=dstate)
-        had = jnp.any(proposal.valid[:, 1:], axis=1) & running
+    def verify(state):
+        before = state.stats.accepted
+        new, result = verify_accept(params, config, drafter.tree, drafter.mode, state, proposal, sampling,
+                                    attention_fn, drafter.features, allow_cond)
+        new = new._replace(dstate=drafter.update(dparams, new.dstate, ctx, result), counts=state.counts + 1)
+        if adaptive is None:
+            return new
+        got = (new.stats.accepted - before).astype(jnp.float32)
+        gain, idle, gap_new = backoff_update(adaptive, floor, state.gain, g, state.idle, gap, want & running, got)
+        return new._replace(gain=gain, idle=idle, gap=gap_new)
 
-        def verify(state):
-            before = state.stats.accepted
-            new, result = verify_accept(params, config, drafter.tree, drafter.mode, state, proposal, sampling,
-                                        attention_fn, drafter.features, allow_cond)
-            new = new._replace(dstate=drafter.update(dparams, new.dstate, ctx, result),
-                               counts=state.counts + 1)
-            if adaptive is None:
-                return new
-            got = (new.stats.accepted - before).astype(jnp.float32)
-            gain, idle, gap_new = backoff_update(adaptive, floor, state.gain, g, state.idle, gap, want & running,
-                                                 got)
-            return new._replace(gain=gain, idle=idle, gap=gap_new)
-
-        if not allow_cond:
-            return verify(state)
-        return jax.lax.cond(jnp.any(had), verify, plain, state)
-
-    if not allow_cond or adaptive is None:
-        return speculative(state)
-    return jax.lax.cond(batch, speculative, plain, state)
+    if not allow_cond:
+        return verify(state)
+    return jax.lax.cond(jnp.any(had), verify, plain, state)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn", "allow_cond", "adaptive"),

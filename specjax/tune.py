@@ -116,25 +116,37 @@ class Run:
         return self.tokens / self.decode_s if self.decode_s else 0.0
 
 
-def timed_run(llm, prompts: list, spec: SpeculativeConfig | None, sp: SamplingParams, reps: int = 2) -> Run:
-    """Warm up, then generate every prompt `reps` times at batch 1 and keep each prompt's fastest decode."""
-    warm_up(llm, prompts, spec, sp)
-    run = Run()
-    for p in prompts:
-        best = None
-        for _ in range(max(reps, 1)):
-            o = llm.generate([p], sp, spec, chat=True)[0]
-            if best is None or o.metrics.total_time - o.metrics.time_to_first_token < best[0]:
-                best = (o.metrics.total_time - o.metrics.time_to_first_token, o)
-        o = best[1]
-        run.decode_s += best[0]
-        run.tokens += o.metrics.new_tokens - 1
-        m = o.metrics
-        forwards = m.new_tokens if m.target_forwards is None else m.target_forwards  # plain: prefill + 1 per token
-        run.verify_steps += m.verify_steps or 0
-        run.plain_steps += forwards - 1 - (m.verify_steps or 0)
-        run.outputs.append(o)
-    return run
+def timed_runs(llm, prompts: list, specs: dict, sp: SamplingParams, reps: int = 2) -> dict:
+    """{key: Run} for every {key: spec or None (plain)}: warm up each, then `reps` rounds, each generating every
+    prompt with every setting in turn, keeping each (setting, prompt)'s fastest decode. The rounds interleave the
+    settings, so a slow spell of the machine hits them all instead of one setting's whole run."""
+    for spec in specs.values():
+        warm_up(llm, prompts, spec, sp)
+    best: dict = {}
+    for _ in range(max(reps, 1)):
+        for key, spec in specs.items():
+            for i, p in enumerate(prompts):
+                o = llm.generate([p], sp, spec, chat=True)[0]
+                t = o.metrics.total_time - o.metrics.time_to_first_token
+                if (key, i) not in best or t < best[key, i][0]:
+                    best[key, i] = (t, o)
+    runs = {}
+    for key in specs:
+        run = Run()
+        for i in range(len(prompts)):
+            t, o = best[key, i]
+            m = o.metrics
+            forwards = m.new_tokens if m.target_forwards is None else m.target_forwards  # plain: prefill + 1/token
+            run.decode_s += t
+            run.tokens += m.new_tokens - 1
+            run.verify_steps += m.verify_steps or 0
+            run.plain_steps += forwards - 1 - (m.verify_steps or 0)
+            run.outputs.append(o)
+        runs[key] = run
+    return runs
+
+
+PLAIN = "plain"  # key of the plain baseline in `timed_runs`
 
 
 def measure_loop_costs(llm, settings: dict[int, SpeculativeConfig], prompts: list, sp: SamplingParams,
@@ -142,11 +154,12 @@ def measure_loop_costs(llm, settings: dict[int, SpeculativeConfig], prompts: lis
     """Seconds of one plain step and of one speculative step of every setting, timed inside the generation loop on
     `prompts` (speculation forced on: back-off off). A run's plain steps (nothing proposed) are charged at the
     plain step's cost; the rest of its time is its verify steps'."""
-    plain = timed_run(llm, prompts, None, sp, reps)
-    plain_s = plain.decode_s / max(plain.tokens, 1)
+    runs = timed_runs(llm, prompts, {PLAIN: None} | {k: dataclasses.replace(s, adaptive=False)
+                                                    for k, s in settings.items()}, sp, reps)
+    plain_s = runs[PLAIN].decode_s / max(runs[PLAIN].tokens, 1)
     step_s = {}
-    for k, spec in settings.items():
-        r = timed_run(llm, prompts, dataclasses.replace(spec, adaptive=False), sp, reps)
+    for k in settings:
+        r = runs[k]
         if r.verify_steps == 0:
             raise TuneError(f"setting {k} proposed nothing on the cost prompts, so its step cost cannot be timed; "
                             "pass prompts the drafter can continue (e.g. --limit with more prompts)")
@@ -309,11 +322,10 @@ def validate_settings(llm, prompts: list, sp: SamplingParams, settings: dict[int
     """Measure plain decoding and every setting end to end, print predicted against measured speedup (one row per
     setting; `columns` are extra (header, value of setting) columns), and say whether the chosen setting's error is
     within TOLERANCE. Returns the entries `tune` adds to its result."""
-    plain_tps = timed_run(llm, prompts, None, sp, reps).tokens_per_s
-    measured = {}
-    for k, s in settings.items():
-        tps = timed_run(llm, prompts, s, sp, reps).tokens_per_s
-        measured[k] = {"tokens_per_s": tps, "speedup": tps / plain_tps}
+    runs = timed_runs(llm, prompts, {PLAIN: None} | dict(settings), sp, reps)
+    plain_tps = runs[PLAIN].tokens_per_s
+    measured = {k: {"tokens_per_s": runs[k].tokens_per_s, "speedup": runs[k].tokens_per_s / plain_tps}
+                for k in settings}
     errors = {k: (pred[k]["speedup"] - measured[k]["speedup"]) / measured[k]["speedup"] for k in settings}
     w = max(3, len(label))
     log(f"{label:>{w}} " + "".join(f"{h:>{max(len(h), 6)}} " for h, _ in columns)
@@ -360,7 +372,7 @@ def cost_prompts(prompts: list, acc: Acceptance, n: int) -> list:
 
 def tune(llm, spec: SpeculativeConfig, prompts: list, gammas: Sequence[int] = DEFAULT_GAMMAS,
          max_new_tokens: int = 64, validate: bool = True, log=print,
-         tree_sizes: Sequence[int] = DEFAULT_TREE_SIZES, reps: int = 2, num_cost_prompts: int = 2) -> dict:
+         tree_sizes: Sequence[int] = DEFAULT_TREE_SIZES, reps: int = 2, num_cost_prompts: int = 3) -> dict:
     """Measure acceptance and costs and choose gamma (chain methods, from `gammas`) or the tree size (medusa, eagle,
     eagle3, from `tree_sizes`); then (validate) measure every candidate end to end for the comparison.
 
@@ -400,7 +412,7 @@ def tune(llm, spec: SpeculativeConfig, prompts: list, gammas: Sequence[int] = DE
 
 def tune_tree(llm, spec: SpeculativeConfig, prompts: list, tree_sizes: Sequence[int] = DEFAULT_TREE_SIZES,
               max_new_tokens: int = 64, validate: bool = True, log=print, reps: int = 2,
-              num_cost_prompts: int = 2) -> dict:
+              num_cost_prompts: int = 3) -> dict:
     """Choose the draft tree size of a tree method (medusa, eagle, eagle3): measure the acceptance at every valid
     size s, time a step of each size in the generation loop, predict tokens/s, pick the best; then (validate)
     measure every size end to end."""

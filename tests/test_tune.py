@@ -195,7 +195,7 @@ def test_says_when_no_setting_beats_plain_decoding():
 
 
 # ============================================================================================ timing
-def test_timed_runs_compile_nothing_after_the_warm_up(target):
+def test_timed_runs_compile_nothing_after_the_warm_up(target, monkeypatch):
     """Prompts of two length buckets: warm_up compiles both, so the timed repetitions compile nothing (a compile
     inside one setting's timed run once skewed a whole validation table)."""
     config, params = target
@@ -203,7 +203,7 @@ def test_timed_runs_compile_nothing_after_the_warm_up(target):
     prompts = [PROMPTS[0], list(range(1, 41))]  # buckets 16 and 64
     assert len({tune.prompt_bucket(llm, p) for p in prompts}) == 2
     sp = tune.SamplingParams(max_new_tokens=6)
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=False)
+    specs = {tune.PLAIN: None, 2: SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=False)}
     compiles = []
 
     def listener(event, duration, **kwargs):
@@ -212,34 +212,34 @@ def test_timed_runs_compile_nothing_after_the_warm_up(target):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        tune.warm_up(llm, prompts, spec, sp)
+        for spec in specs.values():
+            tune.warm_up(llm, prompts, spec, sp)
         assert compiles, "the warm-up should have compiled the two buckets"
         compiles.clear()
-        orig = tune.warm_up
-        tune.warm_up = lambda *a: None  # time the runs alone
-        try:
-            run = tune.timed_run(llm, prompts, spec, sp, reps=2)
-        finally:
-            tune.warm_up = orig
+        monkeypatch.setattr(tune, "warm_up", lambda *a: None)  # time the runs alone
+        runs = tune.timed_runs(llm, prompts, specs, sp, reps=2)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
-    assert run.tokens == sum(o.metrics.new_tokens - 1 for o in run.outputs) and run.decode_s > 0
-    assert run.verify_steps + run.plain_steps == sum(o.metrics.target_forwards - 1 for o in run.outputs)
+    for run in runs.values():
+        assert run.tokens == sum(o.metrics.new_tokens - 1 for o in run.outputs) and run.decode_s > 0
+    assert runs[tune.PLAIN].verify_steps == 0 and runs[tune.PLAIN].plain_steps == runs[tune.PLAIN].tokens
+    assert runs[2].verify_steps + runs[2].plain_steps == sum(o.metrics.target_forwards - 1 for o in runs[2].outputs)
+    assert [o.token_ids for o in runs[2].outputs] == [o.token_ids for o in runs[tune.PLAIN].outputs]
 
 
 def test_loop_costs_charge_plain_steps_at_the_plain_cost(monkeypatch):
     """step_s = (decode time - plain steps * plain step) / verify steps, from hand-made runs."""
-    runs = {None: tune.Run(decode_s=1.0, tokens=100), 2: tune.Run(decode_s=2.0, tokens=80, verify_steps=30,
-                                                                      plain_steps=10)}
-    monkeypatch.setattr(tune, "timed_run",
-                        lambda llm, prompts, spec, sp, reps: runs[None if spec is None else spec.num_speculative_tokens])
-    costs = tune.measure_loop_costs(None, {2: SpeculativeConfig(method="ngram", num_speculative_tokens=2)}, [], None)
+    runs = {tune.PLAIN: tune.Run(decode_s=1.0, tokens=100),
+            2: tune.Run(decode_s=2.0, tokens=80, verify_steps=30, plain_steps=10)}
+    monkeypatch.setattr(tune, "timed_runs", lambda llm, prompts, specs, sp, reps: {k: runs[k] for k in specs})
+    settings = {2: SpeculativeConfig(method="ngram", num_speculative_tokens=2)}
+    costs = tune.measure_loop_costs(None, settings, [], None)
     assert costs.plain_s == pytest.approx(0.01)
     assert costs.step_s[2] == pytest.approx((2.0 - 10 * 0.01) / 30)
     runs[2] = tune.Run(decode_s=1.0, tokens=100, plain_steps=100)
     with pytest.raises(tune.TuneError, match="proposed nothing"):
-        tune.measure_loop_costs(None, {2: SpeculativeConfig(method="ngram", num_speculative_tokens=2)}, [], None)
+        tune.measure_loop_costs(None, settings, [], None)
 
 
 def test_cost_prompts_are_the_ones_with_most_verify_steps():

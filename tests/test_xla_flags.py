@@ -1,0 +1,72 @@
+"""`import specjax` turns on XLA:CPU's region analysis in copy insertion, and the speculative loop's compiled
+program then copies the KV cache at most once per step.
+
+* The flag is added to XLA_FLAGS on import, kept when the user set it, and left out with SPECJAX_XLA_FLAGS=0.
+* In the optimised HLO of `spec_loop` (tiny model, n-gram drafter, back-off on), the number of copies of
+  KV-cache-shaped buffers is at most one per cache buffer (the verify branch's). Without the flag the same
+  program has several per buffer (the plain branch and the loop body copied the whole cache every step), so the
+  count is what the flag changes. Each program is compiled in its own process: XLA reads the flags once.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+FLAG = "xla_cpu_copy_insertion_use_region_analysis"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(code: str, **env) -> str:
+    e = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "SPECJAX_XLA_FLAGS")}
+    e.update(env)
+    e["PYTHONPATH"] = HERE + os.pathsep + e.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def test_import_sets_the_flag_unless_told_not_to():
+    code = "import os, specjax; print(os.environ.get('XLA_FLAGS', ''))"
+    assert f"--{FLAG}=true" in _run(code)
+    assert FLAG not in _run(code, SPECJAX_XLA_FLAGS="0")
+    mine = f"--xla_cpu_enable_fast_math=false --{FLAG}=false"
+    assert _run(code, XLA_FLAGS=mine) == mine
+
+
+COUNT_COPIES = """
+import jax, jax.numpy as jnp
+import specjax
+from spec_helpers import tiny_config, tiny_params, tiny_llm
+from specjax import engine, spec_api, spec_engine
+from specjax.api import pad_prompts
+from specjax.config import SamplingParams, SpeculativeConfig
+
+config = tiny_config(64)
+llm = tiny_llm(config, tiny_params(config, seed=0))
+spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+drafter, dparams = spec_api.build_drafter(llm, spec)
+b = engine.make_buckets(2, 12, 16, extra_slots=drafter.tree.num_nodes)
+toks, lens, act = pad_prompts([[1, 2, 3, 1, 2, 3], [4, 5, 6, 4, 5]], b.batch, b.prompt_len)
+sampling = llm.sampling_arrays([SamplingParams(max_new_tokens=16)] * 2, b.batch, b.num_stop)
+st = spec_engine.spec_prefill(llm.params, llm.config, dparams, drafter, b, toks, lens, act, sampling)
+txt = spec_engine.spec_loop.lower(llm.params, llm.config, dparams, drafter, st, sampling, jnp.int32(8),
+                                  adaptive=spec_api.adaptive_rule(drafter, spec),
+                                  min_gain=jnp.float32(0.5)).compile().as_text()
+shape = "f32[%d,%d,%d,%d]" % (b.batch, b.capacity, config.num_kv_heads, config.head_dim)
+copies = sum(1 for line in txt.splitlines() if " copy(" in line and ("= " + shape) in line)
+print(copies, 2 * config.num_layers)
+"""
+
+
+@pytest.mark.slow  # two processes that compile the speculative loop (~40 s)
+def test_spec_loop_copies_the_cache_at_most_once_per_step():
+    copies, buffers = map(int, _run(COUNT_COPIES).split())
+    assert copies <= buffers, f"{copies} copies of KV-cache buffers for {buffers} buffers"
+    without, _ = map(int, _run(COUNT_COPIES, SPECJAX_XLA_FLAGS="0").split())
+    assert without > buffers, "without the flag the program should copy more (else this test proves nothing)"
