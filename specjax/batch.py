@@ -326,7 +326,7 @@ def _jitted() -> types.SimpleNamespace:
     """The job's jitted entry points (built once, on first use):
 
     insert_row(state, row, slot): copy the batch-1 state `row` into row `slot` (traced int32) of the batch state.
-        Every leaf of DecodeState / SpecState is batch-first (KV cache [B, S, Hkv, D] per layer, lengths [B],
+        Every leaf of DecodeState / SpecState is batch-first (KV cache [B, Hkv, S, D] per layer, lengths [B],
         output [B, max_new], history [B, Hc], stats [B] / [B, D], drafter caches), so one scatter per leaf moves
         a whole request. `state` is donated: the caches are updated in place.
     decode_until_free(params, config, state, sampling, max_steps, attention_fn): plain decoding of every slot

@@ -4,6 +4,11 @@ Capacity is a shape-setting value (allocated once for the worst case of a reques
 lengths are data. One array per layer (not one stacked array): the forward is unrolled over layers, and
 indexing a stacked cache per layer would copy it on XLA:CPU. Everything here is pure; the engine donates the
 cache across jitted steps so XLA updates it in place.
+
+Layout: head-major, [B, Hkv, S, D] per layer. Attention contracts over D with (B, Hkv) as batch dimensions; with
+the cache in this layout XLA:CPU multiplies it where it lies, while the token-major [B, S, Hkv, D] layout made it
+materialise a transposed copy of every layer's cache on every step (measured on the 2-core CPU: at 2048 slots the
+30 layers' attention of one decode step went from about 45 ms to 15 ms).
 """
 from __future__ import annotations
 
@@ -14,13 +19,13 @@ import jax.numpy as jnp
 
 
 class KVCache(NamedTuple):
-    k: tuple  # L x [B, S, Hkv, D]
-    v: tuple  # L x [B, S, Hkv, D]
+    k: tuple  # L x [B, Hkv, S, D]
+    v: tuple  # L x [B, Hkv, S, D]
     lengths: jax.Array  # [B] int32: committed entries per sequence (slots >= lengths are free)
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     @property
     def batch_size(self) -> int:
@@ -28,7 +33,7 @@ class KVCache(NamedTuple):
 
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
-    shape = (batch, capacity, num_kv_heads, head_dim)
+    shape = (batch, num_kv_heads, capacity, head_dim)
     return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                    tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                    jnp.zeros((batch,), jnp.int32))
@@ -37,15 +42,17 @@ def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, he
 def write_kv(ck, cv, k_new, v_new, lengths):
     """Write T new entries per sequence at slots [lengths[b], lengths[b] + T) of one layer.
 
-    ck/cv [B, S, Hkv, D], k_new/v_new [B, T, Hkv, D], lengths [B] -> updated (ck, cv).
+    ck/cv [B, Hkv, S, D], k_new/v_new [B, T, Hkv, D] (token-major, as the projections give them),
+    lengths [B] -> updated (ck, cv).
     A scatter rather than a rebuilt array, so XLA updates the loop-carried cache in place. Writes past the
     capacity are dropped; callers check capacity on the host before they get here.
     """
     B, T = k_new.shape[:2]
     b = jnp.arange(B)[:, None]
     s = lengths[:, None] + jnp.arange(T)[None, :]  # [B, T]
-    ck = ck.at[b, s].set(k_new.astype(ck.dtype), mode="drop")
-    cv = cv.at[b, s].set(v_new.astype(cv.dtype), mode="drop")
+    # Advanced indices on axes 0 and 2 around a slice: the indexed view is [B, T, Hkv, D], k_new's own layout.
+    ck = ck.at[b, :, s].set(k_new.astype(ck.dtype), mode="drop")
+    cv = cv.at[b, :, s].set(v_new.astype(cv.dtype), mode="drop")
     return ck, cv
 
 
@@ -57,11 +64,11 @@ def compact(cache: KVCache, src_nodes: jax.Array, num_keep: jax.Array) -> KVCach
     num_keep [B] is how many of those P entries become committed. Fixed shapes: all P entries are moved, those
     past num_keep land beyond the new length where they are free slots again.
     """
-    B, S = cache.k[0].shape[:2]
+    B, S = cache.k[0].shape[0], cache.capacity
     P = src_nodes.shape[1]
     b = jnp.arange(B)[:, None]
     src = jnp.clip(cache.lengths[:, None] + src_nodes, 0, S - 1)  # [B, P]
     dst = cache.lengths[:, None] + jnp.arange(P)[None, :]
-    move = lambda a: a.at[b, dst].set(a[b, src], mode="drop")
+    move = lambda a: a.at[b, :, dst].set(a[b, :, src], mode="drop")  # [B, P, Hkv, D] views of [B, Hkv, S, D]
     return KVCache(tuple(move(a) for a in cache.k), tuple(move(a) for a in cache.v),
                    cache.lengths + num_keep.astype(jnp.int32))

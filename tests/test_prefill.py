@@ -53,7 +53,8 @@ def test_chunked_prefill_matches_the_whole_prompt(chunk):
             g = np.asarray(getattr(got.cache, name)[layer])
             r = np.asarray(getattr(ref.cache, name)[layer])
             for b, n in enumerate(lens):  # every committed slot of every row; slots past a row's length are free
-                np.testing.assert_allclose(g[b, :n], r[b, :n], rtol=1e-5, atol=1e-5, err_msg=f"{name}{layer} row {b}")
+                np.testing.assert_allclose(g[b, :, :n], r[b, :, :n], rtol=1e-5, atol=1e-5,
+                                           err_msg=f"{name}{layer} row {b}")
     for b, n in enumerate(lens):
         np.testing.assert_allclose(np.asarray(got_feats)[b, :n], np.asarray(ref_feats)[b, :n], rtol=1e-5, atol=1e-5)
 

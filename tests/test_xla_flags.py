@@ -58,7 +58,7 @@ st = spec_engine.spec_prefill(llm.params, llm.config, dparams, drafter, b, toks,
 txt = spec_engine.spec_loop.lower(llm.params, llm.config, dparams, drafter, st, sampling, jnp.int32(8),
                                   adaptive=spec_api.adaptive_rule(drafter, spec),
                                   min_gain=jnp.float32(0.5)).compile().as_text()
-shape = "f32[%d,%d,%d,%d]" % (b.batch, b.capacity, config.num_kv_heads, config.head_dim)
+shape = "f32[%d,%d,%d,%d]" % (b.batch, config.num_kv_heads, b.capacity, config.head_dim)
 copies = sum(1 for line in txt.splitlines() if " copy(" in line and ("= " + shape) in line)
 print(copies, 2 * config.num_layers)
 """

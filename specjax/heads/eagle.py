@@ -276,6 +276,8 @@ def head_hidden(params: dict, cfg: HeadConfig, embed: jax.Array, tokens: jax.Arr
             k, v = write_kv(cache.k[i], cache.v[i], k, v, write_at)
             new_k.append(k)
             new_v.append(v)
+        else:
+            k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, Hkv, T, D], the layout reference_attention takes
         a = reference_attention(q, k, v, mask, scale)
         x = _finish_layer(lp, cfg, residual, a.reshape(B, T, -1))
     if cache is not None:

@@ -173,17 +173,59 @@ def dense_mask(lengths: jax.Array, tree_mask: jax.Array, capacity: int) -> jax.A
 
 
 def reference_attention(q, k, v, mask, scale):
-    """q [B, T, Hq, D], k/v [B, S, Hkv, D], mask [B, T, S] bool -> [B, T, Hq, D]. GQA without repeating K/V."""
+    """q [B, T, Hq, D], k/v [B, Hkv, S, D] (the cache layout), mask [B, T, S] bool -> [B, T, Hq, D].
+
+    GQA without repeating K/V. Attends to whatever the mask allows, so the new tokens' K/V must already be in
+    k/v; the dense-mask override and the EAGLE head use it.
+    """
     B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
+    Hkv = k.shape[1]
     qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask[:, None, None, :, :], s, -jnp.inf)
     w = jax.nn.softmax(s, axis=-1)
     # A row with no visible key (padding queries) gives NaN from softmax; zero it so it never spreads.
     w = jnp.where(jnp.isnan(w), 0.0, w).astype(v.dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", w, v, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bksd->btkgd", w, v, preferred_element_type=jnp.float32)
     return o.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+def prefix_tree_attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale):
+    """Attention of T new tokens over the committed cache and over themselves, before they are written.
+
+    q [B, T, Hq, D]; k_cache/v_cache [B, Hkv, S, D], of which slots s < lengths[b] are visible to every new
+    token; k_new/v_new [B, T, Hkv, D]; tree_mask [B, T, T] bool (which new tokens each new token sees)
+    -> [B, T, Hq, D]. The same result as writing the new K/V at [lengths, lengths + T) and calling
+    `reference_attention` with `dense_mask`, but the cache is only read, as the left operand of both products:
+    XLA:CPU then streams it once instead of materialising a transposed or updated copy of it (the write, after
+    the layer's attention, is an in-place update nothing else reads). One softmax over both parts.
+    """
+    B, T, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    f32 = jnp.float32
+    # Rows n = g * T + t: every query of one KV head, so the cache is contracted once per head.
+    qn = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    sp = jax.lax.dot_general(k_cache, qn.astype(k_cache.dtype), (((3,), (3,)), ((0, 1), (0, 1))),
+                             preferred_element_type=f32)  # [B, Hkv, S, N]
+    # Scores are small (S x N per head); with S minor the softmax below vectorises over the slots.
+    sp = sp.swapaxes(2, 3) * scale  # [B, Hkv, N, S]
+    visible = jnp.arange(S)[None, :] < lengths[:, None]  # [B, S]
+    sp = jnp.where(visible[:, None, None, :], sp, -jnp.inf)
+    st = jnp.einsum("bknd,btkd->bknt", qn, k_new, preferred_element_type=f32) * scale  # [B, Hkv, N, T]
+    tm = jnp.broadcast_to(tree_mask[:, None], (B, G, T, T)).reshape(B, 1, G * T, T)
+    st = jnp.where(tm, st, -jnp.inf)
+    m = jnp.maximum(sp.max(axis=3), st.max(axis=3))  # [B, Hkv, N]
+    # A row with no visible key (padding queries) has m = -inf; it gets zero weights and a zero output.
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    ep = jnp.exp(sp - m[..., None])
+    et = jnp.exp(st - m[..., None])
+    den = ep.sum(axis=3) + et.sum(axis=3)  # [B, Hkv, N]
+    o = jax.lax.dot_general(ep.astype(v_cache.dtype), v_cache, (((3,), (2,)), ((0, 1), (0, 1))),
+                            preferred_element_type=f32)  # [B, Hkv, N, D]
+    o = o + jnp.einsum("bknt,btkd->bknd", et.astype(v_new.dtype), v_new, preferred_element_type=f32)
+    o = jnp.where(den[..., None] > 0, o / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    return o.reshape(B, Hkv, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
 
 
 AttentionFn = Callable[..., jax.Array]  # (q, k, v, lengths, tree_mask, *, scale) -> out, see specjax.kernels
@@ -220,9 +262,6 @@ def forward(
         tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
     if mask is not None and attention_fn is not None:
         raise ValueError("a dense `mask` works only with the reference attention (attention_fn=None)")
-    S = cache.capacity
-    if mask is None and attention_fn is None:
-        mask = dense_mask(cache.lengths, tree_mask, S)
     inv_freq = rope_inv_freq(c)
     scale = 1.0 / math.sqrt(c.head_dim)
     dtype = params["embed"].dtype
@@ -240,13 +279,19 @@ def forward(
         q = apply_rope(q.reshape(B, T, c.num_heads, c.head_dim), positions, inv_freq)
         k = apply_rope(k.reshape(B, T, c.num_kv_heads, c.head_dim), positions, inv_freq)
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
-        layer_k, layer_v = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths)
+        if mask is None and attention_fn is None:
+            a = prefix_tree_attention(q, cache.k[i], cache.v[i], k, v, cache.lengths, tree_mask, scale)
+            layer_k, layer_v = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths)
+        else:
+            layer_k, layer_v = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths)
+            if attention_fn is None:
+                a = reference_attention(q, layer_k, layer_v, mask, scale)
+            else:
+                # The kernels' contract is token-major K/V [B, S, Hkv, D] (see specjax.backends.registry).
+                a = attention_fn(q, layer_k.swapaxes(1, 2), layer_v.swapaxes(1, 2), cache.lengths, tree_mask,
+                                 scale=scale)
         new_k.append(layer_k)
         new_v.append(layer_v)
-        if attention_fn is None:
-            a = reference_attention(q, layer_k, layer_v, mask, scale)
-        else:
-            a = attention_fn(q, layer_k, layer_v, cache.lengths, tree_mask, scale=scale)
         x = x + a.reshape(B, T, -1) @ lp["wo"]
         h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
         x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
