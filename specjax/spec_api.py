@@ -197,15 +197,12 @@ def device_loop(llm, drafter, dparams, state, sampling, adaptive, key):
     prior = llm._drafters.get(_prior_key(key))
     if prior is not None:
         state = state._replace(gain=jnp.full(state.gain.shape, prior, jnp.float32))
-    gap = llm._drafters.get(_gap_key(key))
-    if gap is not None:
-        state = state._replace(gap=jnp.full(state.gap.shape, gap, state.gap.dtype))
     if floor is None:
         state, floor = calibrate(run, state)
         if floor is not None:
             llm._drafters[key] = floor
     state = run(state, NO_LIMIT, adaptive.min_gain if floor is None else floor)
-    _remember_gain(llm, key, state.stats, state.gap)
+    _remember_gain(llm, key, state.stats)
     return state
 
 
@@ -213,22 +210,18 @@ def _prior_key(key):
     return ("gain_prior",) + tuple(key[1:])
 
 
-def _gap_key(key):
-    return ("probe_gap",) + tuple(key[1:])
-
-
-def _remember_gain(llm, key, stats, gap) -> None:
+def _remember_gain(llm, key, stats) -> None:
     """Keep the mean accepted tokens per verify step of this generation as the starting gain of the next one
     with the same config and batch bucket: a drafter that did not pay starts backed off (and probes) instead of
-    paying for its first verify steps again; one that paid starts speculating. The longest probe gap reached
-    (gap [B]) is kept too: without it every call restarted at `probe_every` and paid its doubling probes again,
-    on 64-token calls most of the probes a backed-off drafter ever made."""
+    paying for its first verify steps again; one that paid starts speculating.
+
+    The probe gap is not kept: each request starts probing at `probe_every`. Acceptance is a property of the
+    prompt (an n-gram lookup pays on extraction and nowhere else), and a gap carried over from requests the
+    drafter could not help grew past the length of a whole generation, so a request it could help never
+    probed (Spec-Bench, 2026-11-30: no method verified a single step on 13 prompts)."""
     verify = int(np.sum(np.asarray(stats.verify_steps)))
     if verify:
         llm._drafters[_prior_key(key)] = float(np.sum(np.asarray(stats.accepted))) / verify
-    longest = int(np.max(np.asarray(gap)))
-    if longest > 0:
-        llm._drafters[_gap_key(key)] = longest
 
 
 def calibrate(run, state, steps: int = CALIBRATION_STEPS, rounds: int = 2, clock=time.perf_counter):
@@ -278,7 +271,7 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
     B = state.dec.finish.shape[0]
     gain = np.full(B, np.inf if adaptive is None else llm._drafters.get(_prior_key(key), np.inf))
     idle = np.zeros(B, np.int64)
-    gap = np.full(B, 0 if adaptive is None else llm._drafters.get(_gap_key(key), 0), np.int64)
+    gap = np.zeros(B, np.int64)
     floor = None if adaptive is None else llm._drafters.get(key, adaptive.min_gain)
     times = {"plain": [], "verify": []}  # per-step seconds, compile step dropped
 
@@ -340,7 +333,7 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
             floor = max(0.0, float(ratio) - 1.0)
             llm._drafters[key] = floor
     if adaptive is not None:
-        _remember_gain(llm, key, state.stats, gap)
+        _remember_gain(llm, key, state.stats)
     return state, draft_t, verify_t
 
 

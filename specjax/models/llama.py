@@ -210,7 +210,9 @@ def prefix_tree_attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask,
                              preferred_element_type=f32)  # [B, Hkv, S, N]
     # Scores are small (S x N per head); with S minor the softmax below vectorises over the slots.
     sp = sp.swapaxes(2, 3) * scale  # [B, Hkv, N, S]
-    visible = jnp.arange(S)[None, :] < lengths[:, None]  # [B, S]
+    # Behind a barrier: a fresh cache's lengths are a constant zero inside a jitted prefill, and XLA would then
+    # constant-fold the masked scores' reductions over [B, Hkv, N, S] at compile time (seconds per bucket).
+    visible = jnp.arange(S)[None, :] < jax.lax.optimization_barrier(lengths)[:, None]  # [B, S]
     sp = jnp.where(visible[:, None, None, :], sp, -jnp.inf)
     st = jnp.einsum("bknd,btkd->bknt", qn, k_new, preferred_element_type=f32) * scale  # [B, Hkv, N, T]
     tm = jnp.broadcast_to(tree_mask[:, None], (B, G, T, T)).reshape(B, 1, G * T, T)
