@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare_arguments(cp)
     tn = sub.add_parser("tune", help="measure costs and acceptance, pick gamma (chain methods) or the draft tree size "
-                                     "(medusa, eagle, eagle3), compare predicted and measured speedup")
+                                     "(medusa, eagle, eagle3), or plain decoding where none pays; compare "
+                                     "predicted and measured speedup")
     _common(tn)
     tn.add_argument("--dataset", required=True, help="prompt file (Spec-Bench format, JSONL or text)")
     tn.add_argument("--per-category", type=int, default=1)

@@ -23,6 +23,9 @@ every branch kept, and an EAGLE tree re-ranks its candidates with the budget, so
 run by truncation: it is measured at every size. A step yields E[tokens | s] = 1 + accepted / verify step and costs
 t_draft(s) + t_verify(s + 1). For eagle/eagle3 size s is total_tokens = s with depth min(depth, s); for medusa it
 is the first s paths of the heads' default tree, which is ordered best-first, so every prefix is a valid tree.
+
+Plain decoding is a candidate too (setting OFF = 0, speedup 1 by definition): where nothing is predicted to pay,
+the tuner recommends no speculation, and its validation measures every setting against that choice.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ TREE_METHODS = ("medusa", "eagle", "eagle3")
 DEFAULT_GAMMAS = (1, 2, 4, 6, 8)
 DEFAULT_TREE_SIZES = (4, 8, 12, 20, 32)
 TOLERANCE = 0.15  # |predicted - measured| / measured speedup the cost model should stay within
+OFF = 0  # the setting "no speculation": plain decoding, a candidate like any gamma or tree size
 
 
 class TuneError(ValueError):
@@ -147,6 +151,7 @@ def timed_runs(llm, prompts: list, specs: dict, sp: SamplingParams, reps: int = 
 
 
 PLAIN = "plain"  # key of the plain baseline in `timed_runs`
+ADAPTIVE = "adaptive"  # key of the best speculative setting with back-off on, in the validation runs
 
 
 def measure_loop_costs(llm, settings: dict[int, SpeculativeConfig], prompts: list, sp: SamplingParams,
@@ -241,9 +246,21 @@ def predict_tree(costs: Costs, acceptance: dict[int, Acceptance]) -> dict[int, d
             for s, a in acceptance.items()}
 
 
+def with_plain(costs: Costs, pred: dict[int, dict]) -> dict[int, dict]:
+    """`pred` plus the setting OFF (plain decoding: one token per plain step, speedup 1 by definition), so that the
+    tuner recommends no speculation where no setting is predicted to pay for itself."""
+    plain = {"expected_tokens": 1.0, "step_s": costs.plain_s, "tokens_per_s": 1.0 / costs.plain_s, "speedup": 1.0}
+    return {OFF: plain} | pred
+
+
 def choose(pred: dict[int, dict]) -> int:
-    """The setting with the largest predicted tokens/s (the smaller one on a tie: cheaper to run)."""
+    """The setting with the largest predicted tokens/s (the smaller one on a tie: cheaper to run; OFF = 0 wins a
+    tie with every speculative setting)."""
     return max(sorted(pred), key=lambda k: pred[k]["tokens_per_s"])
+
+
+def _best_speculative(pred: dict[int, dict]) -> int:
+    return choose({k: v for k, v in pred.items() if k != OFF})
 
 
 # ============================================================================================ tree sizes
@@ -321,27 +338,38 @@ def validate_settings(llm, prompts: list, sp: SamplingParams, settings: dict[int
                       columns: Sequence[tuple[str, Callable[[int], float]]], log=print, reps: int = 2) -> dict:
     """Measure plain decoding and every setting end to end, print predicted against measured speedup (one row per
     setting; `columns` are extra (header, value of setting) columns), and say whether the chosen setting's error is
-    within TOLERANCE. Returns the entries `tune` adds to its result."""
-    runs = timed_runs(llm, prompts, {PLAIN: None} | dict(settings), sp, reps)
+    within TOLERANCE. Setting OFF (plain decoding) is the baseline run itself. The best speculative setting is
+    also measured with back-off on (`adaptive`, what the engine runs by default) and printed below the table.
+    Returns the entries `tune` adds to its result."""
+    best_spec = _best_speculative(pred)
+    specs = {PLAIN: None} | dict(settings) | {ADAPTIVE: dataclasses.replace(settings[best_spec], adaptive=True)}
+    runs = timed_runs(llm, prompts, specs, sp, reps)
     plain_tps = runs[PLAIN].tokens_per_s
     measured = {k: {"tokens_per_s": runs[k].tokens_per_s, "speedup": runs[k].tokens_per_s / plain_tps}
                 for k in settings}
-    errors = {k: (pred[k]["speedup"] - measured[k]["speedup"]) / measured[k]["speedup"] for k in settings}
+    if OFF in pred:
+        measured = {OFF: {"tokens_per_s": plain_tps, "speedup": 1.0}} | measured
+    errors = {k: (pred[k]["speedup"] - measured[k]["speedup"]) / measured[k]["speedup"] for k in measured}
     w = max(3, len(label))
     log(f"{label:>{w}} " + "".join(f"{h:>{max(len(h), 6)}} " for h, _ in columns)
         + f"{'pred x':>7} {'meas x':>7} {'error':>6}")
-    for k in settings:
-        log(f"{k:>{w}} " + "".join(f"{f(k):>{max(len(h), 6)}.2f} " for h, f in columns)
+    for k in measured:
+        log(f"{k:>{w}} " + "".join(f"{f(k):>{max(len(h), 6)}.2f} " if k != OFF else f"{'-':>{max(len(h), 6)}} "
+                                   for h, f in columns)
             + f"{pred[k]['speedup']:>7.2f} {measured[k]['speedup']:>7.2f} {100 * errors[k]:>5.0f}%"
-            + ("  <- chosen" if k == chosen else ""))
+            + ("  (plain)" if k == OFF else "") + ("  <- chosen" if k == chosen else ""))
     fastest = max(measured, key=lambda k: measured[k]["tokens_per_s"])
     ok = abs(errors[chosen]) <= TOLERANCE
-    log(f"chosen {label}={chosen}: measured {measured[chosen]['speedup']:.2f}x; fastest measured {label}={fastest}: "
-        f"{measured[fastest]['speedup']:.2f}x")
+    adaptive = runs[ADAPTIVE].tokens_per_s / plain_tps
+    log(f"{label}={best_spec} with back-off on (the engine's default): measured {adaptive:.2f}x")
+    log(f"chosen {label}={chosen}{' (speculation off)' if chosen == OFF else ''}: measured "
+        f"{measured[chosen]['speedup']:.2f}x; fastest measured {label}={fastest}: {measured[fastest]['speedup']:.2f}x")
     log(f"chosen {label}={chosen}: predicted speedup error {100 * errors[chosen]:+.1f}% "
         f"({'within' if ok else 'OUTSIDE'} the {100 * TOLERANCE:.0f}% target)")
     return {"plain_tokens_per_s": plain_tps, "measured": measured, "errors": errors, "measured_fastest": fastest,
-            "chosen_error": errors[chosen], "chosen_within_tolerance": ok}
+            "chosen_error": errors[chosen], "chosen_within_tolerance": ok,
+            "chosen_at_least_as_fast_as_every_setting": measured[chosen]["tokens_per_s"] >= measured[fastest]["tokens_per_s"],
+            "adaptive": {"setting": best_spec, "tokens_per_s": runs[ADAPTIVE].tokens_per_s, "speedup": adaptive}}
 
 
 # ============================================================================================ tuners
@@ -393,13 +421,14 @@ def tune(llm, spec: SpeculativeConfig, prompts: list, gammas: Sequence[int] = DE
     costs = measure_loop_costs(llm, settings, cprompts, sp, reps)
     costs.draft_s = measure_draft_costs(llm, spec, gammas, llm.encode_prompt(cprompts[0], True))
     _log_costs(costs, "γ", log)
-    pred = predict(costs, pos, acc.verify_steps, gammas, acc.plain_steps)
+    pred = with_plain(costs, predict(costs, pos, acc.verify_steps, gammas, acc.plain_steps))
     best = choose(pred)
     result = {"costs": dataclasses.asdict(costs), "alpha": alpha, "per_position_accepted": pos.tolist(),
               "verify_steps": acc.verify_steps, "plain_steps": acc.plain_steps, "prediction": pred,
               "chosen_gamma": best}
-    log(f"alpha {alpha:.3f}; predicted best γ = {best} ({pred[best]['speedup']:.2f}x)")
-    result["speculation_pays"] = _say_if_it_pays(pred[best]["speedup"], log)
+    log(f"alpha {alpha:.3f}; predicted best γ = {best}{' (speculation off)' if best == OFF else ''} "
+        f"({pred[best]['speedup']:.2f}x)")
+    result["speculation_pays"] = _say_if_it_pays(pred[_best_speculative(pred)]["speedup"], log)
     if validate:
         # Back-off off, as in the model; production runs keep it on for the chosen gamma.
         v = validate_settings(llm, prompts, sp, settings, pred, best, "γ",
@@ -432,7 +461,7 @@ def tune_tree(llm, spec: SpeculativeConfig, prompts: list, tree_sizes: Sequence[
     first = llm.encode_prompt(cprompts[0], True)
     costs.draft_s = {s: measure_draft_cost(llm, settings[s], first) for s in sizes}
     _log_costs(costs, "s", log)
-    pred = predict_tree(costs, acceptance)
+    pred = with_plain(costs, predict_tree(costs, acceptance))
     best = choose(pred)
     tree = {s: ({"tree_choices": [list(c) for c in settings[s].tree_choices]} if spec.method == "medusa"
                 else {"top_k": settings[s].top_k, "depth": settings[s].depth, "total_tokens": settings[s].total_tokens})
@@ -441,9 +470,9 @@ def tune_tree(llm, spec: SpeculativeConfig, prompts: list, tree_sizes: Sequence[
               "costs": dataclasses.asdict(costs),
               "acceptance": {s: dataclasses.asdict(a) | {"alpha": a.alpha} for s, a in acceptance.items()},
               "prediction": pred, "chosen_tree_size": best}
-    log(f"predicted best tree size = {best} ({pred[best]['expected_tokens']:.2f} tokens/step, "
-        f"{pred[best]['speedup']:.2f}x)")
-    result["speculation_pays"] = _say_if_it_pays(pred[best]["speedup"], log)
+    log(f"predicted best tree size = {best}{' (speculation off)' if best == OFF else ''} "
+        f"({pred[best]['expected_tokens']:.2f} tokens/step, {pred[best]['speedup']:.2f}x)")
+    result["speculation_pays"] = _say_if_it_pays(pred[_best_speculative(pred)]["speedup"], log)
     if validate:
         v = validate_settings(llm, prompts, sp, settings, pred, best, "size",
                               [("E[tok] meas", lambda s: pred[s]["expected_tokens"]),

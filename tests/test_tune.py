@@ -6,8 +6,10 @@
 * Medusa sizes are prefixes of the best-first tree: of the right length and prefix-closed; oversize requests are
   capped to the whole tree, and a prefix that is not a tree is skipped. EAGLE sizes the expansion cannot fill are
   skipped with a message.
-* tune() on a tiny random target with a tiny EAGLE head (validate=True, 2 tiny prompts) picks the size with the
-  best predicted tokens/s among the valid candidates and returns the documented, JSON-serialisable keys.
+* Plain decoding (setting 0) is a candidate: chosen where nothing is predicted to pay, and on a tie.
+* tune() on a tiny random target with a tiny EAGLE head, and with n-gram (validate=True, 2 tiny prompts), picks
+  the setting with the best predicted tokens/s among plain and the valid candidates, measures every one (and the
+  best speculative one with back-off on) and returns the documented, JSON-serialisable keys.
 """
 from __future__ import annotations
 
@@ -49,6 +51,22 @@ def test_predict_chain_matches_hand_computation():
     assert tune.predict(costs, pos, 10, [2], plain_steps=5)[2]["tokens_per_s"] == pytest.approx(29 / 0.19)
     # Deep acceptance makes the longest chain pay off.
     assert tune.choose(tune.predict(costs, np.array([10.0, 10, 10, 10]), 10, [1, 2, 4])) == 4
+
+
+def test_plain_decoding_is_a_candidate_and_wins_where_nothing_pays():
+    costs = tune.Costs(0.010, {1: 0.016, 2: 0.020})
+    pos = np.array([3.0, 1.0])  # 10 verify steps: E = 1.3 at gamma 1 (81 tok/s), 1.4 at gamma 2 (70 tok/s)
+    pred = tune.with_plain(costs, tune.predict(costs, pos, 10, [1, 2]))
+    assert pred[tune.OFF] == {"expected_tokens": 1.0, "step_s": 0.010, "tokens_per_s": pytest.approx(100.0),
+                              "speedup": 1.0}
+    assert tune.choose(pred) == tune.OFF
+    # Where a setting pays, it beats plain: gamma 1 at E = 1.9 gives 119 tok/s.
+    pred = tune.with_plain(costs, tune.predict(costs, np.array([9.0, 1.0]), 10, [1, 2]))
+    assert tune.choose(pred) == 1
+    # A tie goes to plain decoding (cheaper: no drafter to run).
+    tie = tune.with_plain(tune.Costs(0.010, {1: 0.015}), tune.predict(tune.Costs(0.010, {1: 0.015}),
+                                                                        np.array([5.0]), 10, [1]))
+    assert tie[1]["tokens_per_s"] == pytest.approx(100.0) and tune.choose(tie) == tune.OFF
 
 
 def test_predict_tree_matches_hand_computation_and_picks_the_best_size():
@@ -164,11 +182,16 @@ def test_tune_tree_end_to_end_on_a_tiny_eagle_head(target, tmp_path):
                        log=lines.append, tree_sizes=(2, 6, 40))
     text = "\n".join(lines)
     assert result["tree_sizes"] == [2, 6] and "tree size 40 skipped" in text
-    assert result["chosen_tree_size"] in (2, 6)
+    assert result["chosen_tree_size"] in (0, 2, 6)  # 0: plain decoding, when no size is predicted to pay
     pred = result["prediction"]
+    assert set(pred) == {0, 2, 6} and pred[0]["speedup"] == 1.0
     assert result["chosen_tree_size"] == max(pred, key=lambda s: pred[s]["tokens_per_s"])
     assert result["trees"] == {2: {"top_k": 3, "depth": 2, "total_tokens": 2},
                                6: {"top_k": 3, "depth": 3, "total_tokens": 6}}
+    assert result["measured"][0] == {"tokens_per_s": result["plain_tokens_per_s"], "speedup": 1.0}
+    assert result["adaptive"]["setting"] in (2, 6) and result["adaptive"]["tokens_per_s"] > 0
+    fastest = max(result["measured"], key=lambda s: result["measured"][s]["tokens_per_s"])
+    assert result["chosen_at_least_as_fast_as_every_setting"] == (result["chosen_tree_size"] == fastest)
     for s in (2, 6):
         a = result["acceptance"][s]
         assert 0 <= a["accepted"] <= a["drafted"] and a["verify_steps"] > 0
@@ -180,10 +203,27 @@ def test_tune_tree_end_to_end_on_a_tiny_eagle_head(target, tmp_path):
     assert set(result) >= {"method", "skipped", "costs", "acceptance", "prediction", "chosen_tree_size",
                            "plain_tokens_per_s", "measured", "measured_fastest_tree_size", "chosen_error",
                            "chosen_within_tolerance"}
-    assert result["measured_fastest_tree_size"] in (2, 6)
+    assert result["measured_fastest_tree_size"] == fastest
     assert result["chosen_within_tolerance"] == (abs(result["chosen_error"]) <= 0.15)
     assert "<- chosen" in text and "% target" in text
     json.loads(json.dumps(result))  # what `specjax tune --json` writes
+
+
+@pytest.mark.slow  # ~40 s: compiles the speculative loop at two gammas
+def test_tune_chain_end_to_end_on_ngram(target):
+    config, params = target
+    lines = []
+    result = tune.tune(tiny_llm(config, params), SpeculativeConfig(method="ngram", num_speculative_tokens=2),
+                       PROMPTS, gammas=(1, 2), max_new_tokens=12, validate=True, log=lines.append)
+    pred, measured = result["prediction"], result["measured"]
+    assert set(pred) == set(measured) == {0, 1, 2}
+    assert result["chosen_gamma"] == max(sorted(pred), key=lambda g: pred[g]["tokens_per_s"])
+    assert measured[0]["speedup"] == 1.0 and result["adaptive"]["setting"] in (1, 2)
+    fastest = max(measured, key=lambda g: measured[g]["tokens_per_s"])
+    assert result["measured_fastest_gamma"] == fastest
+    assert result["chosen_at_least_as_fast_as_every_setting"] == (result["chosen_gamma"] == fastest)
+    assert "with back-off on" in "\n".join(lines)
+    json.loads(json.dumps(result))
 
 
 def test_says_when_no_setting_beats_plain_decoding():
