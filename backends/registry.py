@@ -3,10 +3,10 @@
 Attention implementations all share one signature:
 
     fn(q, k, v, lengths, tree_mask, *, scale=None, **options) -> out
-      q [B, T, Hq, D], k/v [B, S, Hkv, D], lengths [B] int, tree_mask [B, T, T] bool -> out [B, T, Hq, D]
+      q [B, T, Hq, D], k/v [B, Hkv, S, D], lengths [B] int, tree_mask [B, T, T] bool -> out [B, T, Hq, D]
 
-k/v are token-major here while the model's KV cache is head-major ([B, Hkv, S, D], see specjax.kv_cache): the
-forward passes `swapaxes(1, 2)` views of the cache, which XLA materialises once per layer and step.
+k/v are one layer's KV cache in the model's own head-major layout (see specjax.kv_cache), passed as they are: no
+transposed copy per layer and step.
 
 `get_attention(name, platform)` returns such a callable with the options bound. "auto" returns a dispatcher that,
 at trace time (shapes are static), calls the highest-priority implementation registered for the platform whose

@@ -48,14 +48,14 @@ def tree_part_lse(q, k, v, lengths, tree_mask, *, scale: float):
     """Dense attention of the T new tokens to the T tree slots only.
 
     Args:
-      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; lengths: [B] int32 in [0, S - T]; tree_mask: [B, T, T] bool.
+      q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; lengths: [B] int32 in [0, S - T]; tree_mask: [B, T, T] bool.
     Returns:
       out [B, T, Hq, D] float32, lse [B, T, Hq] float32.
     """
     num_tokens = q.shape[1]
-    take = jax.vmap(lambda cache, start: lax.dynamic_slice_in_dim(cache, start, num_tokens, axis=0))
-    k_tree, v_tree = take(k, lengths), take(v, lengths)  # [B, T, Hkv, D]
-    kv_used = jnp.ones(k_tree.shape[:2], jnp.bool_)
+    take = jax.vmap(lambda cache, start: lax.dynamic_slice_in_dim(cache, start, num_tokens, axis=1))
+    k_tree, v_tree = take(k, lengths), take(v, lengths)  # [B, Hkv, T, D]
+    kv_used = jnp.ones((k_tree.shape[0], num_tokens), jnp.bool_)
     return _masked_attention(q, k_tree, v_tree, tree_mask, kv_used, scale)
 
 
@@ -82,7 +82,7 @@ def tree_attention_lse_merge(
     """Tree attention as prefix attention + dense tree attention merged by LSE.
 
     Args:
-      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; lengths: [B] int; tree_mask: [B, T, T] bool; scale: float or None.
+      q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; lengths: [B] int; tree_mask: [B, T, T] bool; scale: float or None.
       prefix_impl: "reference" | "pallas_triton" | "pallas_tpu" for step 1.
       interpret: passed to a Pallas prefix kernel (run it in the interpreter, e.g. on CPU).
       return_lse: also return the merged LSE.
@@ -99,7 +99,7 @@ def tree_attention_lse_merge(
 
 @functools.partial(jax.jit, static_argnames=("scale",))
 def _tree_and_merge(q, k, v, lengths, tree_mask, out_p, lse_p, *, scale: float):
-    lens = clip_lengths(lengths, k.shape[1], q.shape[1])
+    lens = clip_lengths(lengths, k.shape[2], q.shape[1])
     out_t, lse_t = tree_part_lse(q, k, v, lens, tree_mask, scale=scale)
     out, lse = merge_by_lse(out_p, lse_p, out_t, lse_t)
     return out.astype(q.dtype), lse

@@ -46,7 +46,7 @@ def _masked_attention(q, k, v, visible, kv_used, scale: float):
     """Softmax attention with an explicit mask, GQA without repeating K/V.
 
     Args:
-      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D].
+      q: [B, T, Hq, D]; k, v: [B, Hkv, S, D].
       visible: [B, T, S] bool.
       kv_used: [B, S] bool, slots that may hold data (others are zeroed so NaN/inf there cannot leak).
       scale: softmax scale.
@@ -54,20 +54,20 @@ def _masked_attention(q, k, v, visible, kv_used, scale: float):
       out [B, T, Hq, D] float32 (zero for a row that sees nothing), lse [B, T, Hq] float32 (-inf for such a row).
     """
     batch, num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
+    num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads
     qg = q.astype(jnp.float32).reshape(batch, num_tokens, num_kv_heads, group, head_dim)
-    used = kv_used[:, :, None, None]
+    used = kv_used[:, None, :, None]
     kf = jnp.where(used, k.astype(jnp.float32), 0.0)
     vf = jnp.where(used, v.astype(jnp.float32), 0.0)
-    logits = jnp.einsum("btkgd,bskd->bkgts", qg, kf, precision=_HIGHEST) * scale  # [B, Hkv, G, T, S]
+    logits = jnp.einsum("btkgd,bksd->bkgts", qg, kf, precision=_HIGHEST) * scale  # [B, Hkv, G, T, S]
     vis = visible[:, None, None, :, :]
     logits = jnp.where(vis, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # a row that sees nothing: avoid inf - inf
     p = jnp.where(vis, jnp.exp(logits - row_max), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bkgts,bskd->btkgd", p, vf, precision=_HIGHEST)
+    out = jnp.einsum("bkgts,bksd->btkgd", p, vf, precision=_HIGHEST)
     denom_t = jnp.moveaxis(denom[..., 0], 3, 1)[..., None]  # [B, T, Hkv, G, 1]
     out = out / jnp.where(denom_t == 0.0, 1.0, denom_t)
     lse = jnp.where(denom == 0.0, -jnp.inf, row_max + jnp.log(jnp.where(denom == 0.0, 1.0, denom)))[..., 0]
@@ -77,7 +77,7 @@ def _masked_attention(q, k, v, visible, kv_used, scale: float):
 
 @functools.partial(jax.jit, static_argnames=("scale",))
 def _reference_lse_jit(q, k, v, lengths, tree_mask, scale: float):
-    seq_len = k.shape[1]
+    seq_len = k.shape[2]
     num_tokens = q.shape[1]
     lens = clip_lengths(lengths, seq_len, num_tokens)
     visible = visibility_mask(lens, tree_mask, seq_len)
@@ -90,7 +90,7 @@ def tree_attention_reference_lse(q, k, v, lengths, tree_mask, *, scale=None):
     """Reference tree attention that also returns the log-sum-exp of each query row.
 
     Args:
-      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; lengths: [B] int; tree_mask: [B, T, T] bool; scale: float or None
+      q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; lengths: [B] int; tree_mask: [B, T, T] bool; scale: float or None
         (1/sqrt(D)).
     Returns:
       out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32 (natural log).
@@ -103,7 +103,7 @@ def tree_attention_reference(q, k, v, lengths, tree_mask, *, scale=None):
     """Reference tree attention.
 
     Args:
-      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; lengths: [B] int; tree_mask: [B, T, T] bool; scale: float or None
+      q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; lengths: [B] int; tree_mask: [B, T, T] bool; scale: float or None
         (1/sqrt(D)).
     Returns:
       out [B, T, Hq, D] in q.dtype.
@@ -113,7 +113,7 @@ def tree_attention_reference(q, k, v, lengths, tree_mask, *, scale=None):
 
 @functools.partial(jax.jit, static_argnames=("scale",))
 def _prefix_lse_jit(q, k, v, lengths, scale: float):
-    seq_len = k.shape[1]
+    seq_len = k.shape[2]
     num_tokens = q.shape[1]
     lens = clip_lengths(lengths, seq_len, num_tokens)
     kv_used = jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lens[:, None]  # [B, S]
@@ -125,7 +125,7 @@ def prefix_attention_reference_lse(q, k, v, lengths, *, scale=None):
     """Attention of every new token to the committed prefix only (slots s < lengths[b]), with LSE.
 
     Args:
-      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; lengths: [B] int (clipped to [0, S - T]); scale: float or None.
+      q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; lengths: [B] int (clipped to [0, S - T]); scale: float or None.
     Returns:
       out [B, T, Hq, D] float32 (zero where lengths[b] == 0), lse [B, T, Hq] float32 (-inf there).
     """

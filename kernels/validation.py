@@ -3,7 +3,8 @@
 All implementations take the same arguments:
 
     q         [B, T, Hq, D]   queries of the T new tokens
-    k, v      [B, S, Hkv, D]  one layer's KV cache (tree K/V already written at slots [lengths[b], lengths[b] + T))
+    k, v      [B, Hkv, S, D]  one layer's KV cache, head-major like `specjax.kv_cache` (tree K/V already written
+                              at slots [lengths[b], lengths[b] + T))
     lengths   [B] int         committed prefix length per sequence
     tree_mask [B, T, T] bool  ancestor-or-self mask, diagonal True
 
@@ -50,7 +51,7 @@ def validate_tree_attention_inputs(q, k, v, lengths, tree_mask, *, scale=None) -
 
     Args:
       q: [B, T, Hq, D] float32/bfloat16/float16.
-      k, v: [B, S, Hkv, D], same dtype as q, Hq % Hkv == 0, T <= S.
+      k, v: [B, Hkv, S, D], same dtype as q, Hq % Hkv == 0, T <= S.
       lengths: [B] integer; checked to lie in [0, S - T] when concrete.
       tree_mask: [B, T, T] bool; diagonal checked to be all True when concrete.
       scale: None or a positive finite Python number.
@@ -60,11 +61,11 @@ def validate_tree_attention_inputs(q, k, v, lengths, tree_mask, *, scale=None) -
     if len(q_shape) != 4:
         raise TreeAttentionInputError(f"q must be [B, T, Hq, D], got shape {q_shape}; add the missing axes.")
     if len(k_shape) != 4:
-        raise TreeAttentionInputError(f"k must be [B, S, Hkv, D], got shape {k_shape}; pass one layer's cache.")
+        raise TreeAttentionInputError(f"k must be [B, Hkv, S, D], got shape {k_shape}; pass one layer's cache.")
     if v_shape != k_shape:
         raise TreeAttentionInputError(f"v shape {v_shape} differs from k shape {k_shape}; they must match.")
     batch, num_tokens, num_q_heads, head_dim = q_shape
-    k_batch, seq_len, num_kv_heads, k_head_dim = k_shape
+    k_batch, num_kv_heads, seq_len, k_head_dim = k_shape
     if k_batch != batch:
         raise TreeAttentionInputError(f"batch mismatch: q has B={batch}, k/v have B={k_batch}.")
     if k_head_dim != head_dim:

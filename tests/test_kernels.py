@@ -110,18 +110,18 @@ class Case:
 
 
 def make_inputs(case: Case):
-    """q, k, v, lengths, tree_mask as NumPy arrays (q/k/v in case.dtype)."""
+    """q, k, v, lengths, tree_mask as NumPy arrays (q/k/v in case.dtype; k/v head-major [B, Hkv, S, D])."""
     rng = np.random.default_rng(case.seed)
     num_q_heads = case.group * case.kv_heads
     seq_len = max(case.lengths) + case.nodes + case.spare
     q = rng.standard_normal((case.batch, case.nodes, num_q_heads, case.head_dim), np.float32)
-    k = rng.standard_normal((case.batch, seq_len, case.kv_heads, case.head_dim), np.float32)
-    v = rng.standard_normal((case.batch, seq_len, case.kv_heads, case.head_dim), np.float32)
+    k = rng.standard_normal((case.batch, case.kv_heads, seq_len, case.head_dim), np.float32)
+    v = rng.standard_normal((case.batch, case.kv_heads, seq_len, case.head_dim), np.float32)
     lengths = np.asarray(case.lengths, np.int32)
     if case.nan_fill:  # slots beyond lengths + T are unused: poison them, nothing may leak
         for b, length in enumerate(lengths):
-            k[b, length + case.nodes :] = np.nan
-            v[b, length + case.nodes :] = np.nan
+            k[b, :, length + case.nodes :] = np.nan
+            v[b, :, length + case.nodes :] = np.nan
     masks = []
     for _ in range(case.batch):
         mask = ancestor_mask(random_parents(rng, case.nodes))
@@ -155,15 +155,15 @@ def tol(dtype) -> float:
 def brute_force(q, k, v, lengths, tree_mask, scale=None) -> np.ndarray:
     """float64 loop over (b, t, h): softmax over the explicit list of visible slots."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
-    group = num_q_heads // k.shape[2]
+    group = num_q_heads // k.shape[1]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     out = np.zeros(q.shape, np.float64)
     for b in range(batch):
         for t in range(num_tokens):
             slots = list(range(lengths[b])) + [lengths[b] + j for j in range(num_tokens) if tree_mask[b, t, j]]
             for h in range(num_q_heads):
-                keys = k[b, slots, h // group].astype(np.float64)
-                vals = v[b, slots, h // group].astype(np.float64)
+                keys = k[b, h // group, slots].astype(np.float64)
+                vals = v[b, h // group, slots].astype(np.float64)
                 logits = keys @ q[b, t, h].astype(np.float64) * scale
                 p = np.exp(logits - logits.max())
                 out[b, t, h] = (p / p.sum()) @ vals
@@ -244,7 +244,7 @@ class TestReference:
         _, lse = tree_attention_reference_lse(q, k, v, lengths, tree_mask)
         b, t, h = 1, 4, 1
         slots = list(range(lengths[b])) + [lengths[b] + j for j in range(5) if tree_mask[b, t, j]]
-        logits = k[b, slots, 0].astype(np.float64) @ q[b, t, h].astype(np.float64) / np.sqrt(8)
+        logits = k[b, 0, slots].astype(np.float64) @ q[b, t, h].astype(np.float64) / np.sqrt(8)
         expect = np.log(np.exp(logits - logits.max()).sum()) + logits.max()
         assert abs(float(lse[b, t, h]) - expect) < 1e-5
 
@@ -299,13 +299,9 @@ class TestTpuKernel:
         assert out.dtype == q.dtype and out.shape == q.shape
         assert rel_err(out, truth(q, k, v, lengths, tree_mask)[0]) < tol(case.dtype)
 
-    @pytest.mark.parametrize(
-        "kv_heads,head_dim,width",
-        [(2, 128, 128), (2, 64, 128), (4, 32, 128), (3, 64, 192), (1, 16, 16)],
-    )
-    def test_lane_layouts(self, kv_heads, head_dim, width):
-        # One head per block (D % 128 == 0), several heads per 128 lanes, and the all-heads fallback.
-        assert tpu.lane_width(kv_heads, head_dim) == width
+    @pytest.mark.parametrize("kv_heads,head_dim", [(2, 128), (2, 64), (4, 32), (3, 64), (1, 16)])
+    def test_head_dims(self, kv_heads, head_dim):
+        # A [block_k, D] block of one head: D a multiple of 128, or narrower than the 128 lanes.
         case = Case(1, 2, kv_heads, head_dim, 5, (131,), 3, "float32", True, True, 7)
         q, k, v, lengths, tree_mask = make_inputs(case)
         out, lse = run_tpu(q, k, v, lengths, tree_mask, return_lse=True)
@@ -361,7 +357,7 @@ class TestKernelEdgeCases:
         # Out-of-range lengths cannot be seen under jit; every implementation clips them to [0, S - T] alike.
         case = Case(2, 1, 1, 32, 3, (0, 0), 30, "float32", False, False, 12)
         q, k, v, _, tree_mask = make_inputs(case)
-        seq_len = k.shape[1]
+        seq_len = k.shape[2]
         bad = np.array([-4, seq_len + 7], np.int32)
         clipped = np.array([0, seq_len - 3], np.int32)
         out = jax.jit(KERNELS[kernel])(q, k, v, bad, tree_mask)
@@ -427,8 +423,8 @@ def _abstract_args(batch, num_tokens, num_q_heads, kv_heads, head_dim, seq_len, 
     sds = jax.ShapeDtypeStruct
     return (
         sds((batch, num_tokens, num_q_heads, head_dim), dtype),
-        sds((batch, seq_len, kv_heads, head_dim), dtype),
-        sds((batch, seq_len, kv_heads, head_dim), dtype),
+        sds((batch, kv_heads, seq_len, head_dim), dtype),
+        sds((batch, kv_heads, seq_len, head_dim), dtype),
         sds((batch,), jnp.int32),
         sds((batch, num_tokens, num_tokens), jnp.bool_),
     )
@@ -459,13 +455,13 @@ class TestCrossLowering:
     @pytest.mark.parametrize(
         "shape",
         [
-            (2, 1, 32, 8, 128, 4096),  # decode, D = 128: one head per block
+            (2, 1, 32, 8, 128, 4096),  # decode, D = 128
             (1, 64, 24, 8, 128, 3000),  # tree / chunk, GQA 3, cache not a multiple of block_k
-            (2, 16, 8, 2, 64, 1000),  # D = 64: two heads per 128 lanes
-            (1, 5, 9, 3, 64, 700),  # SmolLM2-like heads: all-heads lane block
+            (2, 16, 8, 2, 64, 1000),  # D = 64: half of the 128 lanes
+            (1, 5, 9, 3, 64, 700),  # SmolLM2's heads
             (1, 7, 4, 1, 64, 100),  # cache shorter than 128 slots
         ],
-        ids=["decode_d128", "tree_d128", "d64_packed", "d64_allheads", "tiny_cache"],
+        ids=["decode_d128", "tree_d128", "d64", "smollm2", "tiny_cache"],
     )
     def test_tpu_shipped_configs(self, blocks, shape, dtype):
         args = _abstract_args(*shape, dtype)

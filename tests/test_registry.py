@@ -31,8 +31,8 @@ def _inputs(head_dim=16, dtype=np.float32, num_q_heads=4, kv_heads=2, seed=0):
     rng = np.random.default_rng(seed)
     batch, num_tokens, seq_len = 2, 4, 40
     q = rng.standard_normal((batch, num_tokens, num_q_heads, head_dim)).astype(dtype)
-    k = rng.standard_normal((batch, seq_len, kv_heads, head_dim)).astype(dtype)
-    v = rng.standard_normal((batch, seq_len, kv_heads, head_dim)).astype(dtype)
+    k = rng.standard_normal((batch, kv_heads, seq_len, head_dim)).astype(dtype)
+    v = rng.standard_normal((batch, kv_heads, seq_len, head_dim)).astype(dtype)
     lengths = np.array([3, 29], np.int32)
     tree_mask = np.broadcast_to(np.tril(np.ones((num_tokens, num_tokens), bool)), (batch, num_tokens, num_tokens))
     return q, k, v, lengths, np.ascontiguousarray(tree_mask)

@@ -163,7 +163,7 @@ def _tree_attention_triton_jit(
     interpret, debug: bool = False,
 ):
     batch, num_tokens, num_q_heads, head_dim = q.shape
-    _, seq_len, num_kv_heads, _ = k.shape
+    _, num_kv_heads, seq_len, _ = k.shape
     group = num_q_heads // num_kv_heads
     num_rows = num_tokens * group
     blocks = block_sizes or default_block_sizes(num_rows, head_dim)
@@ -179,9 +179,10 @@ def _tree_attention_triton_jit(
     in_specs = [
         pl.BlockSpec((None,), lambda b, h, i: (b,)),
         pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0)),
-        # The whole sequence of one KV head: the kernel walks it with masked loads (only up to lengths[b] + T).
-        pl.BlockSpec((None, seq_len, None, head_dim), lambda b, h, i: (b, 0, h, 0)),
-        pl.BlockSpec((None, seq_len, None, head_dim), lambda b, h, i: (b, 0, h, 0)),
+        # The whole sequence of one KV head, contiguous in the head-major cache: the kernel walks it with masked
+        # loads (only up to lengths[b] + T).
+        pl.BlockSpec((None, None, seq_len, head_dim), lambda b, h, i: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, seq_len, head_dim), lambda b, h, i: (b, h, 0, 0)),
     ]
     args = [lens, q_packed, k, v]
     if include_tree:
@@ -231,7 +232,7 @@ def tree_attention_triton(
     """Tree attention with the Pallas Triton kernel.
 
     Args:
-      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D] (same dtype, D a power of two >= 16); lengths: [B] int;
+      q: [B, T, Hq, D]; k, v: [B, Hkv, S, D] (same dtype, D a power of two >= 16); lengths: [B] int;
         tree_mask: [B, T, T] bool with True diagonal; scale: float or None (1/sqrt(D)).
       block_sizes: tiling; None picks `default_block_sizes`.
       interpret: True (or pallas interpret params) runs the kernel in the Pallas interpreter, e.g. on CPU.
@@ -254,7 +255,7 @@ def prefix_attention_triton_lse(
     """Attention of the new tokens to the committed prefix only (slots < lengths[b]), with LSE (Triton kernel).
 
     Args:
-      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; lengths: [B] int; scale: float or None.
+      q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; lengths: [B] int; scale: float or None.
     Returns:
       out [B, T, Hq, D] in q.dtype (zero where lengths[b] == 0), lse [B, T, Hq] float32 (-inf there).
     """

@@ -4,16 +4,15 @@ Grid (B, Hkv, row blocks, KV steps); the last axis is the reduction ("arbitrary"
   1. `num_prefix_steps` blocks of `block_k` cache slots from slot 0. Steps past lengths[b] do no work, and their
      index_map repeats the last needed block so the pipeline issues no DMA for them (lengths arrive by scalar
      prefetch, so index maps can read them);
-  2. ceil(T / block_tree) blocks of the tree's own K/V (rows [lengths[b], lengths[b] + T) of the cache, gathered
-     into a small [B, Tp, Hkv * D] array by XLA because those rows do not start on a block boundary), with the
+  2. ceil(T / block_tree) blocks of the tree's own K/V (slots [lengths[b], lengths[b] + T) of the cache, gathered
+     into a small [B, Hkv, Tp, D] array by XLA because those slots do not start on a block boundary), with the
      ancestor mask,
 all inside one online softmax whose running max/sum/accumulator live in VMEM scratch (float32).
 
-Layout: GQA query heads are packed into rows (see `packing.py`). The cache is viewed, without a copy, as
-[B, S, Hkv * D] and a K/V block is `lane_width` lanes of it: one head when D % 128 == 0; several heads when D
-divides 128 (each query row is zero outside its head's lanes, so the extra heads add 0 to the scores and land in
-output lanes that are discarded); all heads otherwise. Every block's last two dims are multiples of (8, 128) or
-the full array dims, which is what Mosaic requires.
+Layout: GQA query heads are packed into rows (see `packing.py`). The cache is head-major, [B, Hkv, S, D] (the
+layout of `specjax.kv_cache`), so a K/V block is [block_k, D] of one head, contiguous in memory, read in place.
+Every block's last two dims are multiples of (8, 128) or the full array dims (D is the full last dim), which is
+what Mosaic requires. With D = 64 a [block_k, D] tile fills half of the 128 lanes in VMEM.
 """
 from __future__ import annotations
 
@@ -70,15 +69,6 @@ DEFAULT_BLOCK_SIZES = TpuBlockSizes()
 SHIPPED_CONFIGS = (DEFAULT_BLOCK_SIZES, TpuBlockSizes(block_q=256, block_k=1024, block_tree=256))
 
 
-def lane_width(num_kv_heads: int, head_dim: int) -> int:
-    """Lanes of the [B, S, Hkv * D] cache view loaded per K/V block (see the module docstring)."""
-    if head_dim % _LANES == 0:
-        return head_dim
-    if _LANES % head_dim == 0 and (num_kv_heads * head_dim) % _LANES == 0:
-        return _LANES
-    return num_kv_heads * head_dim
-
-
 def unsupported_reason(q, k, v, lengths, tree_mask) -> str | None:
     """Why this kernel cannot run these (already valid) shapes, or None when it can."""
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -92,10 +82,10 @@ def is_supported(q, k, v, lengths, tree_mask) -> bool:
 
 def _tree_attention_kernel(
     lengths_ref,  # SMEM [B] int32 (scalar prefetch)
-    q_ref,  # [block_q, W]
-    k_ref,  # [block_k, W] prefix cache block
-    v_ref,  # [block_k, W]
-    *refs,  # (kt_ref, vt_ref [block_tree, W], mask_ref [block_q, block_tree] if tree) o_ref, lse_ref, scratch
+    q_ref,  # [block_q, D]
+    k_ref,  # [block_k, D] prefix cache block of one KV head
+    v_ref,  # [block_k, D]
+    *refs,  # (kt_ref, vt_ref [block_tree, D], mask_ref [block_q, block_tree] if tree) o_ref, lse_ref, scratch
     scale: float,
     block_k: int,
     num_prefix_steps: int,
@@ -176,35 +166,9 @@ def _prefix_block(block_k: int, seq_len: int) -> int:
 
 
 def _gather_tree_rows(cache, lengths, num_tokens: int, rows_padded: int):
-    """[B, S, Hkv, D] cache -> [B, rows_padded, Hkv * D]: rows [lengths[b], lengths[b] + T), zero padding."""
-    batch, _, num_kv_heads, head_dim = cache.shape
-    rows = jax.vmap(lambda c, start: lax.dynamic_slice_in_dim(c, start, num_tokens, axis=0))(cache, lengths)
-    rows = rows.reshape(batch, num_tokens, num_kv_heads * head_dim)
-    return jnp.pad(rows, ((0, 0), (0, rows_padded - num_tokens), (0, 0)))
-
-
-def _place_lanes(q_packed, width: int):
-    """[B, Hkv, Rp, D] -> [B, Hkv, Rp, W]: KV head h's rows sit at lanes (h * D) % W, zeros elsewhere."""
-    num_kv_heads, head_dim = q_packed.shape[1], q_packed.shape[3]
-    if width == head_dim:
-        return q_packed
-    placed = []
-    for h in range(num_kv_heads):
-        offset = (h * head_dim) % width
-        placed.append(jnp.pad(q_packed[:, h], ((0, 0), (0, 0), (offset, width - head_dim - offset))))
-    return jnp.stack(placed, axis=1)
-
-
-def _take_lanes(out, head_dim: int):
-    """Inverse of _place_lanes: [B, Hkv, Rp, W] -> [B, Hkv, Rp, D]."""
-    num_kv_heads, width = out.shape[1], out.shape[3]
-    if width == head_dim:
-        return out
-    taken = []
-    for h in range(num_kv_heads):
-        offset = (h * head_dim) % width
-        taken.append(out[:, h, :, offset : offset + head_dim])
-    return jnp.stack(taken, axis=1)
+    """[B, Hkv, S, D] cache -> [B, Hkv, rows_padded, D]: slots [lengths[b], lengths[b] + T), zero padding."""
+    rows = jax.vmap(lambda c, start: lax.dynamic_slice_in_dim(c, start, num_tokens, axis=1))(cache, lengths)
+    return jnp.pad(rows, ((0, 0), (0, 0), (0, rows_padded - num_tokens), (0, 0)))
 
 
 @functools.partial(
@@ -215,7 +179,7 @@ def _tree_attention_tpu_jit(
     interpret, debug: bool = False,
 ):
     batch, num_tokens, num_q_heads, head_dim = q.shape
-    _, seq_len, num_kv_heads, _ = k.shape
+    _, num_kv_heads, seq_len, _ = k.shape
     group = num_q_heads // num_kv_heads
     num_rows = num_tokens * group
     blocks = block_sizes or DEFAULT_BLOCK_SIZES
@@ -227,38 +191,34 @@ def _tree_attention_tpu_jit(
     num_prefix_steps = max(1, -(-(seq_len - num_tokens) // block_k))
     block_tree = blocks.block_tree
     num_tree_steps = -(-num_tokens // block_tree) if include_tree else 0
-    width = lane_width(num_kv_heads, head_dim)
-    heads_per_block = max(1, width // head_dim)
 
     lens = clip_lengths(lengths, seq_len, num_tokens)
-    q_lanes = _place_lanes(pack_queries(q, num_kv_heads, rows_padded), width)  # [B, Hkv, Rp, W]
-    k_flat = k.reshape(batch, seq_len, num_kv_heads * head_dim)  # free: trailing axes are contiguous
-    v_flat = v.reshape(batch, seq_len, num_kv_heads * head_dim)
+    q_packed = pack_queries(q, num_kv_heads, rows_padded)  # [B, Hkv, Rp, D]
 
     def q_map(b, h, i, j, lengths_ref):
         return b, h, i, 0
 
     def kv_map(b, h, i, j, lengths_ref):
         last_needed = jnp.maximum(lax.div(lengths_ref[b] + block_k - 1, block_k) - 1, 0)
-        return b, jnp.minimum(j, last_needed), lax.div(h, heads_per_block)
+        return b, h, jnp.minimum(j, last_needed), 0
 
     def tree_kv_map(b, h, i, j, lengths_ref):
-        return b, jnp.maximum(j - num_prefix_steps, 0), lax.div(h, heads_per_block)
+        return b, h, jnp.maximum(j - num_prefix_steps, 0), 0
 
     def mask_map(b, h, i, j, lengths_ref):
         return b, i, jnp.maximum(j - num_prefix_steps, 0)
 
     in_specs = [
-        pl.BlockSpec((None, None, block_q, width), q_map),
-        pl.BlockSpec((None, block_k, width), kv_map),
-        pl.BlockSpec((None, block_k, width), kv_map),
+        pl.BlockSpec((None, None, block_q, head_dim), q_map),
+        pl.BlockSpec((None, None, block_k, head_dim), kv_map),
+        pl.BlockSpec((None, None, block_k, head_dim), kv_map),
     ]
-    args = [q_lanes, k_flat, v_flat]
+    args = [q_packed, k, v]
     if include_tree:
         tree_rows = num_tree_steps * block_tree
         in_specs += [
-            pl.BlockSpec((None, block_tree, width), tree_kv_map),
-            pl.BlockSpec((None, block_tree, width), tree_kv_map),
+            pl.BlockSpec((None, None, block_tree, head_dim), tree_kv_map),
+            pl.BlockSpec((None, None, block_tree, head_dim), tree_kv_map),
             pl.BlockSpec((None, block_q, block_tree), mask_map),
         ]
         args += [
@@ -271,13 +231,13 @@ def _tree_attention_tpu_jit(
         grid=(batch, num_kv_heads, rows_padded // block_q, num_prefix_steps + num_tree_steps),
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, None, block_q, width), q_map),
+            pl.BlockSpec((None, None, block_q, head_dim), q_map),
             pl.BlockSpec((None, None, block_q, _STAT_LANES), q_map),
         ],
         scratch_shapes=[
             pltpu.VMEM((block_q, _STAT_LANES), jnp.float32),
             pltpu.VMEM((block_q, _STAT_LANES), jnp.float32),
-            pltpu.VMEM((block_q, width), jnp.float32),
+            pltpu.VMEM((block_q, head_dim), jnp.float32),
         ],
     )
     kernel = functools.partial(
@@ -292,7 +252,7 @@ def _tree_attention_tpu_jit(
         kernel,
         grid_spec=grid_spec,
         out_shape=[
-            jax.ShapeDtypeStruct((batch, num_kv_heads, rows_padded, width), q.dtype),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, rows_padded, head_dim), q.dtype),
             jax.ShapeDtypeStruct((batch, num_kv_heads, rows_padded, _STAT_LANES), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
@@ -300,7 +260,7 @@ def _tree_attention_tpu_jit(
         debug=debug,
         name="specjax_tree_attention_tpu",
     )(lens, *args)
-    out = unpack_rows(_take_lanes(out, head_dim), num_tokens, num_q_heads)
+    out = unpack_rows(out, num_tokens, num_q_heads)
     return out, unpack_row_stat(lse[..., 0], num_tokens, num_q_heads)
 
 
@@ -319,7 +279,7 @@ def tree_attention_tpu(
     """Tree attention with the Pallas Mosaic TPU kernel.
 
     Args:
-      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D] (float32 or bfloat16, one dtype); lengths: [B] int;
+      q: [B, T, Hq, D]; k, v: [B, Hkv, S, D] (float32 or bfloat16, one dtype); lengths: [B] int;
         tree_mask: [B, T, T] bool with True diagonal; scale: float or None (1/sqrt(D)).
       block_sizes: tiling; None -> DEFAULT_BLOCK_SIZES.
       interpret: True or `pltpu.InterpretParams()` runs the kernel in a Pallas interpreter, e.g. on CPU.
@@ -342,7 +302,7 @@ def prefix_attention_tpu_lse(
     """Attention of the new tokens to the committed prefix only (slots < lengths[b]), with LSE (TPU kernel).
 
     Args:
-      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; lengths: [B] int; scale: float or None.
+      q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; lengths: [B] int; scale: float or None.
     Returns:
       out [B, T, Hq, D] in q.dtype (zero where lengths[b] == 0), lse [B, T, Hq] float32 (-inf there).
     """
@@ -360,7 +320,6 @@ __all__ = [
     "TpuBlockSizes",
     "DEFAULT_BLOCK_SIZES",
     "SHIPPED_CONFIGS",
-    "lane_width",
     "is_supported",
     "unsupported_reason",
     "tree_attention_tpu",

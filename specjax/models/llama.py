@@ -289,9 +289,8 @@ def forward(
             if attention_fn is None:
                 a = reference_attention(q, layer_k, layer_v, mask, scale)
             else:
-                # The kernels' contract is token-major K/V [B, S, Hkv, D] (see specjax.backends.registry).
-                a = attention_fn(q, layer_k.swapaxes(1, 2), layer_v.swapaxes(1, 2), cache.lengths, tree_mask,
-                                 scale=scale)
+                # The kernels take the head-major cache as it is (see specjax.backends.registry).
+                a = attention_fn(q, layer_k, layer_v, cache.lengths, tree_mask, scale=scale)
         new_k.append(layer_k)
         new_v.append(layer_v)
         x = x + a.reshape(B, T, -1) @ lp["wo"]
