@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-draft", default=None, help="HF draft directory for transformers-assisted")
     p.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1],
                    help="batch sizes; each size > 1 adds a throughput run (tokens/s against batch size)")
+    p.add_argument("--reps", type=_positive_int, default=1,
+                   help="timed runs of every generation (per prompt at batch 1, per call at larger batch sizes); "
+                        "the fastest is kept, the least disturbed by anything else running on the machine")
     p.add_argument("--profile-prompts", type=_non_negative_int, default=4,
                    help="prompts of the draft-vs-verify timing pass per speculative method (0 disables)")
 
@@ -117,7 +120,7 @@ def _batch1(args, llm, prompts, methods, sp, tqdm) -> dict:
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{rec['new_tokens'] / rec['time']:.1f}")
 
-        results[label] = bench.run_requests(llm, prompts, spec, sp, args.all_turns, tick)
+        results[label] = bench.run_requests(llm, prompts, spec, sp, args.all_turns, tick, reps=args.reps)
         _release(llm)
         if bar:
             bar.close()
@@ -136,7 +139,7 @@ def _throughput(args, llm, prompts, methods, sp, results) -> dict:
     for label, spec, _ in methods:
         table[label] = {"1": bench.batch1_figures(results[label])}
         for b in sorted(set(args.batch_sizes) - {1}):
-            fig, token_ids = bench.run_throughput(llm, prompts, spec, sp, b)
+            fig, token_ids = bench.run_throughput(llm, prompts, spec, sp, b, reps=args.reps)
             _release(llm)
             if sp.temperature == 0:
                 fig["greedy_equal_to_batch1"] = bench.greedy_equal(results[label], token_ids)
@@ -170,10 +173,11 @@ def run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     report = {"environment": bench.environment(llm), "dataset": os.path.abspath(args.dataset),
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes,
-              "methods": {label: bench.method_info(name, spec) for label, spec, name in methods},
+              "reps": args.reps, "methods": {label: bench.method_info(name, spec) for label, spec, name in methods},
               "runs": {}, "throughput": {}, "profile": {}}
     md = [f"# specjax benchmark: {llm.model_spec}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
-          f"batch sizes {' '.join(map(str, args.batch_sizes))}\n",
+          f"batch sizes {' '.join(map(str, args.batch_sizes))}"
+          + (f", fastest of {args.reps} runs of every generation" if args.reps > 1 else "") + "\n",
           f"Command: `specjax bench {' '.join(sys.argv[2:])}`\n",
           "Environment: " + ", ".join(f"{k} {v}" for k, v in report["environment"].items()) + "\n"]
     try:

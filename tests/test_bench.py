@@ -187,6 +187,17 @@ def test_batch_2_greedy_equals_batch_1(llm, prompts, spec):
         assert 0.0 <= fig["acceptance_rate"] <= 1.0 and fig["tau"] >= 1.0
 
 
+def test_reps_keep_the_fastest_run(llm, prompts, monkeypatch):
+    """With reps, every timed generation runs that many times and the fastest wall time is the one kept."""
+    clock = iter([0.0, 5.0, 10.0, 12.0, 20.0, 29.0])  # runs of 5 s, 2 s, 9 s
+    calls = []
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    assert bench._fastest(lambda: calls.append(1) or len(calls), 3) == (2.0, 2) and len(calls) == 3
+    monkeypatch.undo()
+    fig, token_ids = bench.run_throughput(llm, prompts[:2], None, GREEDY, 2, reps=2)
+    assert fig["calls"] == 1 and [len(t) for t in token_ids] == [MAX_NEW] * 2
+
+
 def test_profile_splits_draft_and_verify_time(llm, prompts):
     p = bench.run_profile(llm, prompts[:2], NGRAM, GREEDY)
     assert p["requests"] == 2 and p["new_tokens"] == 2 * MAX_NEW
