@@ -38,6 +38,7 @@ from specjax.kernels.lse_merge import tree_attention_lse_merge
 from specjax.kernels.pallas.tree_attention_gpu import tree_attention_triton
 from specjax.kernels.reference import tree_attention_reference
 from specjax.models.llama import prefix_tree_attention
+from specjax.tree import TreeSpec
 
 HEADS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # name -> (Hq, Hkv, D)
 BOUNDS = {"float32": 1e-5, "bfloat16": 1e-2}  # the issue's acceptance bounds on the relative error
@@ -81,13 +82,7 @@ def random_tree_mask(rng: np.random.Generator, nodes: int) -> np.ndarray:
     """[T, T] bool ancestor-or-self mask of a random tree (parent[i] < i; half the nodes extend the previous one,
     so deep chains occur as well as bushy levels)."""
     parents = [-1] + [i - 1 if rng.random() < 0.5 else int(rng.integers(0, i)) for i in range(1, nodes)]
-    mask = np.zeros((nodes, nodes), bool)
-    for i in range(nodes):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
+    return TreeSpec(tuple(parents)).ancestor_mask
 
 
 def correctness_inputs(rng, batch, kv_heads, group, head_dim, nodes, lengths, dtype):
