@@ -618,19 +618,24 @@ class SpeculativeConfig:
     method: None (plain decoding) or one of SPECULATIVE_METHODS.
     num_speculative_tokens: gamma, tokens drafted per step (for medusa: the number of heads).
     model: draft model name/path (draft_model) or head checkpoint path (medusa / eagle / eagle3).
-    prompt_lookup_min/max: n-gram sizes matched against the context (ngram).
+    prompt_lookup_min/max: n-gram sizes matched against the context (ngram). The minimum is 3 by default: on
+        13 Spec-Bench prompts 1- and 2-token matches proposed more often and were accepted less (first-token
+        acceptance 0.54 against 0.67 with min 3), so more verify steps were paid for fewer tokens
+        (reports/spec_bench_cpu/lookup_tuning/).
     suffix_*: suffix-tree drafter limits (suffix).
     tree_choices: a static token tree as paths of top-k ranks, e.g. ((0,), (1,), (0, 0)); must be prefix-closed.
     top_k / depth / total_tokens: dynamic draft tree shape (eagle / eagle3).
     acceptance: 'lossless' (exact target distribution) or 'typical' (Medusa typical acceptance; lossy, see
         `is_lossy`); typical_posterior_* are its threshold and alpha.
-    adaptive: let the engine shrink/grow gamma from observed acceptance.
+    adaptive: per-sequence back-off (`spec_engine.Adaptive`): a sequence whose accepted tokens per verify step
+        stay below the break-even measured on this hardware decodes plainly and probes again later;
+        False = always speculate.
     """
 
     method: Optional[Literal["draft_model", "ngram", "suffix", "medusa", "eagle", "eagle3"]] = None
     num_speculative_tokens: int = 4
     model: Optional[str] = None
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 3
     prompt_lookup_max: int = 3
     suffix_max_depth: int = 24
     suffix_min_token_prob: float = 0.1

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import acceptance
 from specjax.drafters.base import DraftContext, Proposal
@@ -28,7 +29,7 @@ from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step_fe
 from specjax.kv_cache import compact
 from specjax.models.llama import LlamaConfig, forward
 from specjax.sampling import SamplingArrays, process_logits, uniforms
-from specjax.tree import TreeSpec, ancestor_mask_from_parents
+from specjax.tree import TreeSpec, ancestor_mask_from_parents, chain
 
 TARGET_STREAM = 1  # RNG stream of the acceptance uniforms
 
@@ -63,6 +64,10 @@ class Adaptive:
     probe_every: int = 16
     decay: float = 0.7
     max_gap_factor: int = 8
+    # Seed a request's gain with the previous request's mean (same config and batch bucket; host side, see
+    # `spec_api._remember_gain`). Off for lookups: their acceptance belongs to the prompt, not to the drafter,
+    # and a prior from a prompt with nothing to copy kept the next prompt backed off where copying paid.
+    carry_prior: bool = True
 
 
 def backoff_decide(adaptive: Adaptive, floor, gain, idle, gap, running, xp=jnp):
@@ -212,11 +217,14 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spec
     dec = emit(dec, run_tokens, n_acc + 1, sampling)
     history = _write_history(state.history, state.prompt_lens, old_new, dec)
     st = state.stats
+    # The state's per-depth counters span the drafter's full depth; a trimmed verify (`trim_proposal`) has a
+    # smaller bound D and leaves the deeper counters as they are.
+    D_all = st.pos_drafted.shape[1]
     node_depth_valid = proposal.valid & (depth > 0)
     # drafted per depth: did this step propose anything at depth k + 1
-    at_depth = (depth[:, :, None] == (jnp.arange(D) + 1)[None, None, :]) & node_depth_valid[:, :, None]
+    at_depth = (depth[:, :, None] == (jnp.arange(D_all) + 1)[None, None, :]) & node_depth_valid[:, :, None]
     pos_drafted = jnp.any(at_depth, axis=1)
-    pos_acc = (jnp.arange(D)[None, :] < n_acc[:, None])
+    pos_acc = (jnp.arange(D_all)[None, :] < n_acc[:, None])
     r = running.astype(jnp.int32)
     stats = SpecStats(
         verify_steps=st.verify_steps + r,
@@ -330,6 +338,41 @@ def spec_loop(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state
+
+
+def trim_proposal(proposal: Proposal, tree: TreeSpec, sizes: Sequence[int]) -> tuple[Proposal, TreeSpec]:
+    """Cut a host-side proposal to the smallest node count in `sizes` that holds every valid node of every row,
+    so that a short proposal is verified by a shorter target forward (on a CPU a 2-token verify costs about
+    1.4 plain steps, a 5-token one about 1.9). Host-side, not jitted: it picks which compiled verify to call.
+
+    proposal.tokens/parents/valid [B, N] with the valid nodes of each row first (node 0, the root, always
+    valid) and q None; tree the drafter's TreeSpec (N nodes); sizes ascending node counts, each <= N.
+    Returns (proposal [B, k], depth-bound tree): the returned TreeSpec is a chain whose depth min(D, k - 1)
+    bounds every path of k nodes, which is all `verify_accept` reads of it. Exact: the cut nodes are padding,
+    never accepted, and the verify of k nodes computes the same logits for the nodes it keeps."""
+    if proposal.q is not None:
+        raise ValueError("trim_proposal takes deterministic proposals only (q is None)")
+    valid = np.asarray(proposal.valid)
+    N = valid.shape[1]
+    if N != tree.num_nodes:
+        raise ValueError(f"proposal has {N} nodes, the tree {tree.num_nodes}")
+    used = int(np.max(np.where(valid, np.arange(N)[None, :] + 1, 1)))
+    k = next((s for s in sorted(sizes) if used <= s <= N), N)
+    if k == N:
+        return proposal, tree
+    cut = Proposal(proposal.tokens[:, :k], proposal.parents[:, :k], proposal.valid[:, :k], None)
+    return cut, chain(min(tree.max_depth, k - 1))
+
+
+def verify_sizes(tree: TreeSpec) -> tuple[int, ...]:
+    """The node counts a host-side drafter's proposals are cut to (`trim_proposal`): 2, 3, 5, 9, ... below the
+    tree's N, then N. Each is one compiled verify; powers of two plus the root keep the count logarithmic."""
+    N = tree.num_nodes
+    out, s = [], 1
+    while s + 1 < N:
+        out.append(s + 1)
+        s *= 2
+    return tuple(out) + (N,)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tree", "mode", "attention_fn", "features"),

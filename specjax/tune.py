@@ -120,20 +120,36 @@ class Run:
         return self.tokens / self.decode_s if self.decode_s else 0.0
 
 
+def _as_first_request(llm, prompt, sp: SamplingParams, spec: SpeculativeConfig | None):
+    """Generate `prompt` as a first request: no suffix index of earlier outputs, no back-off gain prior
+    (`spec_api.learned_state`; the measured break-even stays). Tuning generates the same prompts many times, for
+    several settings of one drafter: a later generation would otherwise find the prompt's answer in the suffix
+    index and its acceptance in the prior. The caller puts the LLM's own learned state back afterwards."""
+    from specjax.spec_api import restore_learned
+
+    restore_learned(llm, {})
+    return llm.generate([prompt], sp, spec, chat=True)[0]
+
+
 def timed_runs(llm, prompts: list, specs: dict, sp: SamplingParams, reps: int = 2) -> dict:
     """{key: Run} for every {key: spec or None (plain)}: warm up each, then `reps` rounds, each generating every
     prompt with every setting in turn, keeping each (setting, prompt)'s fastest decode. The rounds interleave the
-    settings, so a slow spell of the machine hits them all instead of one setting's whole run."""
+    settings, so a slow spell of the machine hits them all instead of one setting's whole run. Every generation
+    starts as a first request (`_as_first_request`)."""
+    from specjax.spec_api import learned_state, restore_learned
+
+    saved = learned_state(llm)
     for spec in specs.values():
         warm_up(llm, prompts, spec, sp)
     best: dict = {}
     for _ in range(max(reps, 1)):
         for key, spec in specs.items():
             for i, p in enumerate(prompts):
-                o = llm.generate([p], sp, spec, chat=True)[0]
+                o = _as_first_request(llm, p, sp, spec)
                 t = o.metrics.total_time - o.metrics.time_to_first_token
                 if (key, i) not in best or t < best[key, i][0]:
                     best[key, i] = (t, o)
+    restore_learned(llm, saved)
     runs = {}
     for key in specs:
         run = Run()
@@ -196,9 +212,12 @@ def measure_draft_costs(llm, spec: SpeculativeConfig, gammas: Sequence[int], pro
 
 def measure_acceptance(llm, spec: SpeculativeConfig, prompts: list, sp: SamplingParams, width: int) -> Acceptance:
     """Acceptance counts of `spec` over the prompts at batch 1; per-position counts cut/padded to `width`."""
+    from specjax.spec_api import learned_state, restore_learned
+
+    saved = learned_state(llm)
     acc = Acceptance(per_position_accepted=[0] * width)
     for p in prompts:
-        m = llm.generate([p], sp, spec, chat=True)[0].metrics
+        m = _as_first_request(llm, p, sp, spec).metrics
         pos = list(m.per_position_accepted)[:width]
         acc.per_position_accepted = [a + b for a, b in zip(acc.per_position_accepted, pos + [0] * (width - len(pos)))]
         acc.verify_steps += m.verify_steps
@@ -206,6 +225,7 @@ def measure_acceptance(llm, spec: SpeculativeConfig, prompts: list, sp: Sampling
         acc.accepted += m.accepted
         acc.drafted += m.drafted
         acc.per_prompt_verify_steps.append(m.verify_steps)
+    restore_learned(llm, saved)
     return acc
 
 

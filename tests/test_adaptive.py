@@ -17,6 +17,7 @@ import pytest
 from spec_helpers import tiny_config, tiny_llm, tiny_params
 from specjax import spec_api, spec_engine
 from specjax.config import SamplingParams, SpeculativeConfig
+from specjax.drafters.draft_model import DraftModelDrafter
 
 V = 96
 
@@ -100,7 +101,8 @@ def test_generate_calibrates_once_in_one_compiled_loop():
     prompts = [motif * 4 + [1, 2], motif * 3 + [5]]
     greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
     plain = llm.generate(prompts, greedy)
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    # 1-token matches, so that the calibration's first steps have drafts to verify whatever the model emits.
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
     before = spec_engine.spec_loop._cache_size()
     out = llm.generate(prompts, greedy, speculative_config=spec)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
@@ -128,7 +130,8 @@ def test_each_call_starts_probing_at_probe_every():
     rng = np.random.default_rng(2)
     motif = rng.integers(1, V, 5).tolist()
     prompt = [motif * 5]
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    # 1-token matches: the tiny random model does not continue the motif, so longer keys would never match.
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
     llm = tiny_llm(config, tiny_params(config, seed=3))
     llm._drafters[("break_even", spec, 1)] = 50.0  # skip calibration: speculation never pays
     long = SamplingParams(max_new_tokens=100, ignore_eos=True)
@@ -202,3 +205,24 @@ def test_batch_of_rarely_hitting_rows_backs_off():
         verified.append(True)
     assert sum(verified[100:]) <= 20, sum(verified[100:])  # a few probes, not a verify every step
     assert np.all(gain < floor)
+
+
+def test_lookups_start_each_call_optimistic_whatever_the_last_call_gained():
+    """A lookup's acceptance belongs to the prompt: a call after one that gained nothing (gain prior 0) must
+    still speculate from its first steps, long before a probe would come. Model drafters keep the prior."""
+    config = tiny_config(V)
+    rng = np.random.default_rng(5)
+    motif = rng.integers(1, V, 5).tolist()
+    prompt = [motif * 5]
+    # 1-token matches: the tiny random model does not continue the motif, so longer keys would never match.
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
+    llm = tiny_llm(config, tiny_params(config, seed=3))
+    rule = spec_api.adaptive_rule(*spec_api.build_drafter(llm, spec)[:1], spec)
+    assert not rule.carry_prior
+    llm._drafters[("break_even", spec, 1)] = 0.5  # skip calibration
+    llm._drafters[("gain_prior", spec, 1)] = 0.0  # the last call accepted nothing
+    short = SamplingParams(max_new_tokens=rule.probe_every // 2, ignore_eos=True)
+    assert llm.generate(prompt, short, speculative_config=spec)[0].metrics.verify_steps >= 1
+    draft = SpeculativeConfig(method="draft_model", model="unused", num_speculative_tokens=3)
+    model_rule = spec_api.adaptive_rule(DraftModelDrafter(tiny_config(V, num_layers=1), 3), draft)
+    assert model_rule.carry_prior

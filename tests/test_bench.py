@@ -187,6 +187,28 @@ def test_batch_2_greedy_equals_batch_1(llm, prompts, spec):
         assert 0.0 <= fig["acceptance_rate"] <= 1.0 and fig["tau"] >= 1.0
 
 
+def test_reps_start_from_the_same_learned_state(llm, prompts):
+    """A repeated request must not find its own answer in the suffix drafter's global index: with the LLM handed
+    to `_fastest`, every repetition accepts exactly what the first did. Without it (the planted leak) the repeat
+    replays the first run's output and accepts more."""
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=4, adaptive=False)
+    prompt = PROMPTS[1]
+    accepted = []
+
+    def call():
+        o = llm.generate([prompt], GREEDY, spec)[0]
+        accepted.append(o.metrics.accepted)
+        return o
+
+    llm._drafters.pop("suffix_global", None)
+    bench._fastest(call, 3, llm)
+    assert len(set(accepted)) == 1, accepted
+    llm._drafters.pop("suffix_global", None)
+    accepted.clear()
+    bench._fastest(call, 2)
+    assert accepted[1] > accepted[0], accepted
+
+
 def test_reps_keep_the_fastest_run(llm, prompts, monkeypatch):
     """With reps, every timed generation runs that many times and the fastest wall time is the one kept."""
     clock = iter([0.0, 5.0, 10.0, 12.0, 20.0, 29.0])  # runs of 5 s, 2 s, 9 s

@@ -34,8 +34,8 @@ from specjax.drafters.suffix import SuffixDrafter, SuffixHostState
 from specjax.drafters.suffix_tree import SuffixIndex
 from specjax.tree import TreeSpec, chain, from_choices
 
-from spec_helpers import (make_sampling, outputs, run_plain, run_spec, run_suffix, tiny_buckets, tiny_config,
-                          tiny_llm, tiny_params)
+from spec_helpers import (make_sampling, outputs, run_plain, run_spec, run_suffix, spec_start, tiny_buckets,
+                          tiny_config, tiny_llm, tiny_params)
 
 V = 64
 BATCH = 4
@@ -398,6 +398,75 @@ def test_suffix_host_loop_backs_off_and_stays_exact(target, plain_greedy):
     verify = np.asarray(state.stats.verify_steps)[:len(PROMPTS)]
     assert plain.min() > 0 and verify.min() > 0, f"plain steps {plain}, verify steps {verify}"
     assert np.all(plain > verify), "backed-off rows must mostly decode plainly"
+
+
+def test_verify_sizes_are_doubling_node_counts_ending_at_the_tree():
+    assert spec_engine.verify_sizes(chain(1)) == (2,)
+    assert spec_engine.verify_sizes(chain(4)) == (2, 3, 5)
+    assert spec_engine.verify_sizes(chain(8)) == (2, 3, 5, 9)
+    assert spec_engine.verify_sizes(SuffixDrafter(num_speculative_tokens=6, max_tree_depth=4).tree) == (2, 3, 5, 7)
+
+
+def _proposal(rows: list[list[int]], tree: TreeSpec) -> Proposal:
+    """Chains as a [B, N] proposal: row b drafts rows[b] after the root (token 0 = placeholder root)."""
+    N = tree.num_nodes
+    tokens = np.zeros((len(rows), N), np.int32)
+    valid = np.zeros((len(rows), N), bool)
+    parents = np.tile(np.asarray(tree.parents_array), (len(rows), 1))
+    for b, r in enumerate(rows):
+        tokens[b, 1:1 + len(r)] = r
+        valid[b, :1 + len(r)] = True
+    return Proposal(jnp.asarray(tokens), jnp.asarray(parents), jnp.asarray(valid), None)
+
+
+def test_trim_proposal_picks_the_smallest_size_holding_every_row():
+    tree = chain(8)
+    sizes = spec_engine.verify_sizes(tree)
+    cut, t = spec_engine.trim_proposal(_proposal([[5], [], [6, 7]], tree), tree, sizes)
+    assert cut.tokens.shape == (3, 3) and t.max_depth == 2
+    np.testing.assert_array_equal(np.asarray(cut.tokens[2]), [0, 6, 7])
+    np.testing.assert_array_equal(np.asarray(cut.valid[1]), [True, False, False])
+    cut, t = spec_engine.trim_proposal(_proposal([[5, 6, 7, 8]], tree), tree, sizes)
+    assert cut.tokens.shape == (1, 5) and t.max_depth == 4
+    full = _proposal([[1] * 6], tree)
+    cut, t = spec_engine.trim_proposal(full, tree, sizes)
+    assert cut is full and t is tree
+    with pytest.raises(ValueError, match="deterministic"):
+        spec_engine.trim_proposal(full._replace(q=jnp.zeros((1, 9, V))), tree, sizes)
+
+
+def test_trimmed_verify_equals_the_full_verify(target, plain_greedy):
+    """Verifying a proposal cut to its used nodes gives the same emitted tokens, counters and committed cache as
+    verifying it padded to the drafter's whole tree (greedy; rows accept 2, 0, 1 and 0 drafted tokens)."""
+    config, params = target
+    drafter = SuffixDrafter(num_speculative_tokens=8, max_tree_depth=8)
+    tree = drafter.tree
+    sampling = make_sampling(BATCH, max_new=MAX_NEW)
+    # Row 0 drafts its true next 3 tokens with the third wrong; row 2 one right token; rows 1 and 3 nothing
+    # right. plain_greedy[b][0] is emitted by the prefill, so the drafts continue from plain_greedy[b][1].
+    rows = [[plain_greedy[0][1], plain_greedy[0][2], (plain_greedy[0][3] + 1) % V], [],
+            [plain_greedy[2][1]], [(plain_greedy[3][1] + 1) % V]]
+    results = []
+    for cut in (False, True):
+        state = spec_start(params, config, {}, drafter, BUCKETS, PROMPTS, sampling)
+        proposal = _proposal(rows, tree)
+        proposal = proposal._replace(tokens=proposal.tokens.at[:, 0].set(state.dec.last_token))
+        t = tree
+        if cut:
+            proposal, t = spec_engine.trim_proposal(proposal, tree, spec_engine.verify_sizes(tree))
+            assert proposal.tokens.shape[1] == 5
+        results.append(spec_engine.verify_accept_jit(params, config, t, drafter.mode, state, proposal, sampling))
+    full, cut = results
+    np.testing.assert_array_equal(np.asarray(full.stats.accepted), [2, 0, 1, 0])
+    for a, b in zip(jax.tree_util.tree_leaves(full.stats), jax.tree_util.tree_leaves(cut.stats)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(full.dec.out_tokens), np.asarray(cut.dec.out_tokens))
+    np.testing.assert_array_equal(np.asarray(full.dec.cache.lengths), np.asarray(cut.dec.cache.lengths))
+    lengths = np.asarray(full.dec.cache.lengths)
+    for kf, kc in zip(full.dec.cache.k + full.dec.cache.v, cut.dec.cache.k + cut.dec.cache.v):
+        for b in range(BATCH):
+            np.testing.assert_allclose(np.asarray(kf[b, :, :lengths[b]]), np.asarray(kc[b, :, :lengths[b]]),
+                                       rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------- draft KV cache
