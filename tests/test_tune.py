@@ -213,8 +213,10 @@ def test_tune_tree_end_to_end_on_a_tiny_eagle_head(target, tmp_path):
 def test_tune_chain_end_to_end_on_ngram(target):
     config, params = target
     lines = []
-    result = tune.tune(tiny_llm(config, params), SpeculativeConfig(method="ngram", num_speculative_tokens=2),
-                       PROMPTS, gammas=(1, 2), max_new_tokens=12, validate=True, log=lines.append)
+    # 1-token matches: the tiny random model does not continue its prompts, so 3-token keys would never match.
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1)
+    result = tune.tune(tiny_llm(config, params), spec, PROMPTS, gammas=(1, 2), max_new_tokens=12, validate=True,
+                       log=lines.append)
     pred, measured = result["prediction"], result["measured"]
     assert set(pred) == set(measured) == {0, 1, 2}
     assert result["chosen_gamma"] == max(sorted(pred), key=lambda g: pred[g]["tokens_per_s"])
