@@ -17,6 +17,7 @@ import numpy as np
 
 from specjax import acceptance, engine, spec_engine
 from specjax.config import SpeculativeConfig
+from specjax.drafters.base import Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 
@@ -281,12 +282,40 @@ def calibrate(run, state, steps: int = CALIBRATION_STEPS, rounds: int = 2, clock
     return state, max(0.0, min(per_verify) / min(per_plain) - 1.0)
 
 
+def _warm_verify_sizes(llm, drafter, dparams, state, sampling) -> None:
+    """Compile the verify of every node count `spec_engine.trim_proposal` may pick, and the plain step, once per
+    (drafter, state shapes), before the first step. Compiled on first need instead, a size stalled a generation midway (Spec-Bench
+    at T = 1: one suffix request at 1.2 tok/s). Each size runs once on a copy of the state, which is discarded."""
+    shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(state))
+    key = ("verify_sizes_warm", drafter, shapes)
+    if key in llm._drafters:
+        return
+    tree = drafter.tree
+    B, N = state.dec.finish.shape[0], tree.num_nodes
+    parents = jnp.broadcast_to(jnp.asarray(tree.parents_array), (B, N))
+    for k in spec_engine.verify_sizes(tree):
+        valid = jnp.broadcast_to(jnp.arange(N)[None, :] < k, (B, N))
+        tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(state.dec.last_token)
+        proposal, t = spec_engine.trim_proposal(Proposal(tokens, parents, valid, None), tree,
+                                                spec_engine.verify_sizes(tree))
+        copy_ = jax.tree_util.tree_map(jnp.copy, state)
+        jax.block_until_ready(spec_engine.verify_accept_jit(llm.params, llm.config, t, drafter.mode, copy_, proposal,
+                                                            sampling, attention_fn=llm._attention_fn,
+                                                            features=drafter.features).dec.num_new)
+    # The plain step too: a warm-up generation that stops at its first token never runs one.
+    copy_ = jax.tree_util.tree_map(jnp.copy, state)
+    jax.block_until_ready(spec_engine.plain_step_jit(llm.params, llm.config, dparams, drafter, copy_, sampling,
+                                                     attention_fn=llm._attention_fn).dec.num_new)
+    llm._drafters[key] = True
+
+
 def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=None, key=None):
     """Step from the host: propose (jitted, or on the host for host-side drafters), then the jitted
     verify+accept. Returns (state, draft seconds, verify seconds).
 
     A host-side drafter's deterministic proposal is cut to the smallest of `spec_engine.verify_sizes` node
-    counts that holds it (`spec_engine.trim_proposal`): a short suffix match costs a short verify forward.
+    counts that holds it (`spec_engine.trim_proposal`): a short suffix match costs a short verify forward. Every
+    size is compiled before the first step (`_warm_verify_sizes`), not when a proposal first needs it.
 
     With `adaptive`, the same back-off as the device loop (see `spec_engine.Adaptive`), with the break-even
     measured from this loop's own step times (the first step of each kind and of each verify size compiles and
@@ -300,6 +329,9 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
     idle = np.zeros(B, np.int64)
     gap = np.zeros(B, np.int64)
     floor = None if adaptive is None else llm._drafters.get(key, adaptive.min_gain)
+    trim = host is not None and not drafter.features and drafter.mode == "deterministic"
+    if trim:
+        _warm_verify_sizes(llm, drafter, dparams, state, sampling)
     times = {"plain": [], "verify": []}  # per-step seconds, compile steps dropped
     sizes_seen = set()  # node counts verified so far in this call (a new one compiles, or may)
 
@@ -343,7 +375,7 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
         else:
             before = np.asarray(state.stats.accepted)
             tree = drafter.tree
-            if host is not None and proposal.q is None and not drafter.features:
+            if trim:
                 # A short host proposal is verified by a shorter forward (a few compiled sizes).
                 proposal, tree = spec_engine.trim_proposal(proposal, tree, spec_engine.verify_sizes(tree))
             state = spec_engine.verify_accept_jit(llm.params, llm.config, tree, drafter.mode, state,
@@ -353,7 +385,7 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
             t3 = time.perf_counter()
             draft_t += t2 - t
             verify_t += t3 - t2
-            if proposal.tokens.shape[1] in sizes_seen:  # the first verify of each size compiles
+            if proposal.tokens.shape[1] in sizes_seen:  # not counted: compiled here unless warmed
                 times["verify"].append(t3 - t)
             sizes_seen.add(proposal.tokens.shape[1])
             if adaptive is not None:

@@ -435,6 +435,20 @@ def test_trim_proposal_picks_the_smallest_size_holding_every_row():
         spec_engine.trim_proposal(full._replace(q=jnp.zeros((1, 9, V))), tree, sizes)
 
 
+def test_suffix_compiles_every_verify_size_before_its_first_step(target):
+    """The host loop compiles each cut size up front: the first call compiles exactly one verify per size (a
+    bucket no other test uses, so nothing was cached), and a second call with other prompts compiles none."""
+    config, params = target
+    drafter = SuffixDrafter(num_speculative_tokens=5, max_tree_depth=5)
+    buckets = tiny_buckets(BATCH, prompt_len=16, max_new=24, extra=16)
+    sampling = make_sampling(BATCH, max_new=20)
+    before = spec_engine.verify_accept_jit._cache_size()
+    run_suffix(params, config, drafter, buckets, PROMPTS, sampling)
+    assert spec_engine.verify_accept_jit._cache_size() - before == len(spec_engine.verify_sizes(drafter.tree)) == 4
+    run_suffix(params, config, drafter, buckets, [p[::-1] for p in PROMPTS], sampling)
+    assert spec_engine.verify_accept_jit._cache_size() - before == 4
+
+
 def test_trimmed_verify_equals_the_full_verify(target, plain_greedy):
     """Verifying a proposal cut to its used nodes gives the same emitted tokens, counters and committed cache as
     verifying it padded to the drafter's whole tree (greedy; rows accept 2, 0, 1 and 0 drafted tokens)."""
