@@ -500,9 +500,10 @@ def _tiny_dataset(path, params, config, n=24, prompt=8, new=24):
     for i in range(n):
         prompts[i, plen[i]:] = 0
     keys = jax.random.key_data(jax.random.split(jax.random.key(0), n))
-    toks, ids, logp, num = jax.device_get(generate_batch(
+    g = jax.device_get(generate_batch(
         params, config, jnp.asarray(prompts), jnp.asarray(plen), jnp.zeros(n), keys, max_new=new, top_k=8,
         stop_ids=(2,)))
+    toks, ids, logp, num = g.tokens, g.topk_ids, g.topk_logp, g.num_new
     tokens = np.zeros((n, 64), np.int32)
     for i in range(n):
         tokens[i, :plen[i]] = prompts[i, :plen[i]]

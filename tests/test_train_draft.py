@@ -262,8 +262,9 @@ def test_generate_batch_matches_greedy_recompute_and_stops(target):
     want1 = greedy([11, 3, 4, 8, 1, 6], R)[6:]
     stop = want0[2]  # row 0 must stop after emitting this token (kept); row 1 too if it emits it
     keys = jax.random.key_data(jax.random.split(jax.random.key(0), 2))
-    toks, ids, lp, num = generate_batch(target, TINY, prompts, plen, jnp.zeros(2), keys, max_new=R, top_k=3,
-                                        stop_ids=(stop,))
+    g = generate_batch(target, TINY, prompts, plen, jnp.zeros(2), keys, max_new=R, top_k=3, stop_ids=(stop,))
+    toks, ids, lp, num = g.tokens, g.topk_ids, g.topk_logp, g.num_new
+    assert g.prompt_features is None and g.step_features is None
     toks = np.asarray(toks)
     cut0 = want0.index(stop) + 1
     assert toks[0, :cut0].tolist() == want0[:cut0] and np.all(toks[0, cut0:] == -1) and int(num[0]) == cut0
@@ -315,6 +316,85 @@ def test_generate_dataset_resumes_from_partial_file(tmp_path, target, monkeypatc
     for k in full:
         np.testing.assert_array_equal(full[k], resumed[k])
     np.testing.assert_allclose(full["temperature"], [0.0, 0.8, 0.0, 0.8, 0.0])
+
+
+def test_generate_dataset_with_extra_answers_and_features_resumes(tmp_path, target, monkeypatch):
+    import specjax.train.data as data
+    from specjax.train.prompts import Prompt
+
+    prompts = [Prompt(i, "x", "abcdefgh"[: 2 + i]) for i in range(6)]  # prompt 5 is held out
+    kw = dict(max_new=4, batch=4, top_k=3, sample_every=0, temperature=0.8, extra_samples=2, feature_layers=(1,),
+              seed=1, progress=False)
+    full = data.generate_dataset(target, TINY, _FakeTokenizer(), prompts, **kw)
+    N, L = full["tokens"].shape
+    assert N == 6 + 2 * 5 and full["features_final"].shape == (N, L, TINY.hidden_size)
+    assert full["features_layers"].shape == (N, L, TINY.hidden_size)
+    for n in range(N):  # features exactly where there are tokens
+        assert not np.any(full["features_final"][n, full["length"][n]:])
+        assert np.all(np.any(full["features_final"][n, :full["length"][n]] != 0, axis=-1))
+    # Answers 1 and 2 of a prompt are sampled with their own keys: not all copies of answer 0.
+    resp = lambda n: tuple(full["tokens"][n, full["prompt_len"][n]:full["length"][n]])
+    assert len({resp(n) for n in range(N) if full["prompt_index"][n] == 0}) > 1
+    partial = str(tmp_path / "p.npz")
+    real, calls = data.generate_batch, []
+
+    def dies_on_third_batch(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise _Interrupted
+        return real(*a, **k)
+
+    monkeypatch.setattr(data, "generate_batch", dies_on_third_batch)
+    with pytest.raises(_Interrupted):
+        data.generate_dataset(target, TINY, _FakeTokenizer(), prompts, partial=partial, **kw)
+    monkeypatch.setattr(data, "generate_batch", real)
+    resumed = data.generate_dataset(target, TINY, _FakeTokenizer(), prompts, partial=partial, **kw)
+    for k in full:
+        np.testing.assert_array_equal(full[k], resumed[k])
+    assert not any(p.name.startswith("p.npz") for p in tmp_path.iterdir())
+
+
+def test_plan_requests_extra_answers_for_training_prompts_only():
+    from specjax.train.data import DataError, plan_requests
+    from specjax.train.prompts import Prompt, is_heldout
+
+    prompts = [Prompt(i, "x", f"p{i}") for i in range(12)]
+    plan = plan_requests(prompts, sample_every=4, temperature=0.7, extra_samples=3, extra_temperatures=(1.0, 0.5))
+    train = [p for p in prompts if not is_heldout(p.index)]
+    assert len(plan) == len(prompts) + 3 * len(train)
+    assert [p.index for p, _, a in plan if a == 0] == list(range(12))  # the first answers keep their old order
+    for p, t, a in plan:
+        if is_heldout(p.index):
+            assert (t, a) == (0.0, 0)  # held out: one greedy answer
+        elif a:
+            assert t == (1.0, 0.5)[(a - 1) % 2]
+    with pytest.raises(DataError, match="must all be > 0"):
+        plan_requests(prompts, 4, 0.7, extra_samples=1, extra_temperatures=(0.0,))
+    with pytest.raises(DataError, match=">= 0"):
+        plan_requests(prompts, 4, 0.7, extra_samples=-1)
+
+
+def test_generate_batch_features_equal_the_heads_feature_pass(target):
+    """Features recorded during generation are the ones `specjax.train.heads` computes with one prefill."""
+    from specjax.train.heads import compute_features
+
+    prompts = jnp.asarray([[5, 9, 2, 7, 0, 0], [11, 3, 4, 8, 1, 6]], jnp.int32)
+    plen = np.asarray([4, 6], np.int32)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(0), 2))
+    g = jax.device_get(generate_batch(target, TINY, prompts, jnp.asarray(plen), jnp.asarray([0.0, 0.9]), keys,
+                                      max_new=5, top_k=3, stop_ids=(999,), feature_layers=(0, 2)))
+    H = TINY.hidden_size
+    assert g.prompt_features.shape == (2, 6, 3 * H) and g.step_features.shape == (2, 5, 3 * H)
+    tokens = np.zeros((2, 16), np.int32)
+    length = plen + g.num_new
+    for r in range(2):
+        tokens[r, :plen[r]] = np.asarray(prompts)[r, :plen[r]]
+        tokens[r, plen[r]:length[r]] = g.tokens[r, :g.num_new[r]]
+    ref = compute_features(target, TINY, tokens, length, (0, 2), batch=2, bucket=16, progress=False)
+    for r in range(2):
+        got = np.concatenate([g.prompt_features[r, :plen[r]], g.step_features[r, :g.num_new[r]]])
+        want = np.concatenate([ref["final"][r, :length[r]], ref["layers"][r, :length[r]]], axis=-1)
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2)
 
 
 def test_dataset_round_trip_without_pickles(tmp_path):

@@ -88,18 +88,28 @@ def load_or_compute_features(path: str, data_path: str, target_spec: str, params
                              arrays: dict, layers: tuple, progress: bool, max_len: int = 0) -> dict[str, np.ndarray]:
     """The feature cache at `path` if it was made from the same data, target, layers and truncation; else
     compute and save it."""
-    key = json.dumps({"data": os.path.abspath(data_path), "data_bytes": os.path.getsize(data_path),
-                      "target": target_spec, "layers": list(layers), "max_len": max_len}, sort_keys=True)
+    key = feature_cache_key(data_path, target_spec, layers, max_len)
     if os.path.isfile(path):
         with np.load(path, allow_pickle=False) as f:
             if str(f["key"]) == key:
                 return {"final": f["final"], "layers": f["layers"]}
     feats = compute_features(params, config, arrays["tokens"], arrays["length"], layers, progress=progress)
+    save_feature_cache(path, key, feats)
+    return feats
+
+
+def feature_cache_key(data_path: str, target_spec: str, layers: tuple, max_len: int = 0) -> str:
+    """What a feature cache was made from: the data file (path and size), the target, the layers, the cut."""
+    return json.dumps({"data": os.path.abspath(data_path), "data_bytes": os.path.getsize(data_path),
+                       "target": target_spec, "layers": list(layers), "max_len": max_len}, sort_keys=True)
+
+
+def save_feature_cache(path: str, key: str, feats: dict[str, np.ndarray]) -> None:
+    """Write {"final" [N, L, H], "layers" [N, L, 3H]} float16 under `key` (atomically: a crash leaves no half file)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp.npz"
-    np.savez(tmp, key=np.asarray(key), **feats)
+    np.savez(tmp, key=np.asarray(key), final=feats["final"], layers=feats["layers"])
     os.replace(tmp, path)
-    return feats
 
 
 def truncate(arrays: dict, max_len: int) -> dict:
