@@ -579,3 +579,36 @@ def test_training_command_resumes_and_exports(tmp_path, target):
     assert len(first["heldout"]["rank_accuracy"]) == 2 and len(first["heldout"]["rank_accuracy"][0]) == tm.EVAL_RANKS
     drafter = from_spec(cfg, 2, None, default_choices=meta["tree_choices"])
     assert drafter.choices == tuple(map(tuple, meta["tree_choices"]))
+
+
+def test_features_from_the_heads_cache_equal_a_feature_pass(tmp_path, target):
+    """--features-cache (a cache of `specjax.train.heads` / `specjax.train.data --features-out`) gives the rows
+    `extract_features` computes; a cache made from other data is refused."""
+    from specjax.train.data import save_dataset
+    from specjax.train.heads import compute_features, feature_cache_key, save_feature_cache
+
+    config, params = target
+    rng = np.random.default_rng(1)
+    N, L, R, S = 6, 40, 24, 4
+    plen = rng.integers(3, 10, N).astype(np.int32)
+    length = (plen + rng.integers(5, R, N)).astype(np.int32)
+    tokens = np.where(np.arange(L)[None] < length[:, None], rng.integers(3, V, (N, L)), 0).astype(np.int32)
+    arrays = {"tokens": tokens, "prompt_len": plen, "length": length,
+              "topk_ids": rng.integers(0, V, (N, R, S)).astype(np.int32),
+              "topk_logp": np.log(rng.dirichlet(np.ones(S), (N, R))).astype(np.float16),
+              "temperature": np.zeros(N, np.float32), "prompt_index": np.arange(N, dtype=np.int32),
+              "heldout": np.zeros(N, bool)}
+    data = str(tmp_path / "data.npz")
+    save_dataset(data, arrays, {"target": "tiny"})
+    cache = str(tmp_path / "features.npz")
+    save_feature_cache(cache, feature_cache_key(data, "tiny-target", (0,)),
+                       compute_features(params, config, tokens, length, (0,), batch=2, bucket=16, progress=False))
+    got = tm.features_from_cache(cache, data, "tiny-target", arrays)
+    os.makedirs(tmp_path / "run")
+    want = tm.extract_features(params, config, arrays, str(tmp_path / "run"), batch=2, bucket=16, progress=False)
+    np.testing.assert_allclose(got.astype(np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    assert np.any(got != 0)
+    with pytest.raises(tm.MedusaTrainError, match="other data or another target"):
+        tm.features_from_cache(cache, data, "another-target", arrays)
+    with pytest.raises(tm.MedusaTrainError, match="does not exist"):
+        tm.features_from_cache(str(tmp_path / "none.npz"), data, "tiny-target", arrays)

@@ -99,6 +99,32 @@ def extract_features(params: dict, config: LlamaConfig, arrays: dict, out_dir: s
     return feats
 
 
+def features_from_cache(path: str, data_path: str, target_spec: str, arrays: dict) -> np.ndarray:
+    """The same [N, R, H] float16 response rows as `extract_features`, read from the heads' feature cache
+    (`specjax.train.heads --features-cache`, or `specjax.train.data --features-out`, which records the features
+    while generating) instead of a feature pass of its own. The cache must come from this data file and target."""
+    from specjax.train.heads import feature_cache_key
+
+    if not os.path.isfile(path):
+        raise MedusaTrainError(f"--features-cache {path!r} does not exist; make it with `python -m specjax.train.data "
+                               "--features-out` or `python -m specjax.train.heads --features-only`, or leave it out")
+    with np.load(path, allow_pickle=False) as f:
+        key = json.loads(str(f["key"]))
+        want = json.loads(feature_cache_key(data_path, target_spec, tuple(key.get("layers", ())), 0))
+        if key != want:
+            diff = {k: (key.get(k), want[k]) for k in want if key.get(k) != want[k]}
+            raise MedusaTrainError(f"--features-cache {path} was made from other data or another target {diff} "
+                                   "(cache, this run); regenerate it or leave the option out")
+        final = f["final"]
+    plen, length = arrays["prompt_len"], arrays["length"]
+    N, R = arrays["topk_ids"].shape[:2]
+    feats = np.zeros((N, R, final.shape[-1]), np.float16)
+    for n in range(N):
+        k = int(length[n] - plen[n])
+        feats[n, :k] = final[n, plen[n] - 1:plen[n] - 1 + k]  # row i = the position predicting response token i
+    return feats
+
+
 # ============================================================================================ targets
 
 
@@ -277,7 +303,12 @@ def train(args) -> dict:
         raise MedusaTrainError("no training sequences: every row of the data is held out")
 
     t0 = time.perf_counter()
-    feats = extract_features(tparams, tcfg, arrays, args.out, batch=args.feature_batch, progress=args.progress)
+    if args.features_cache:
+        if len(args.data) != 1:
+            raise MedusaTrainError("--features-cache holds the features of one data file; pass one --data file")
+        feats = features_from_cache(args.features_cache, args.data[0], args.target, arrays)
+    else:
+        feats = extract_features(tparams, tcfg, arrays, args.out, batch=args.feature_batch, progress=args.progress)
     feature_seconds = time.perf_counter() - t0
 
     map_path = os.path.join(args.out, "token_map.npy")
@@ -485,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weight of the CE on the emitted token; the rest goes to the target's top-k distribution")
     ap.add_argument("--tree-nodes", type=int, default=15, help="drafted nodes of the exported default tree")
     ap.add_argument("--feature-batch", type=int, default=8)
+    ap.add_argument("--features-cache", default=None,
+                    help="read the target features from this cache of `specjax.train.data --features-out` (or of "
+                         "`specjax.train.heads`) instead of computing them (one --data file only)")
     ap.add_argument("--checkpoint-every", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-batch", type=int, default=1024)
