@@ -524,6 +524,19 @@ def test_training_targets_are_k_plus_one_tokens_ahead():
 # ------------------------------------------------------------------------------------------------- real model
 
 
+def _random_data(rng, N: int, L: int, R: int, prompt: tuple[int, int], min_resp: int, S: int = 4) -> dict:
+    """A random distillation file's arrays: N rows of width L, prompts of prompt[0]..prompt[1]-1 tokens, at least
+    min_resp of R response steps, top-S soft targets; nothing held out."""
+    plen = rng.integers(*prompt, N).astype(np.int32)
+    length = (plen + rng.integers(min_resp, R, N)).astype(np.int32)
+    tokens = np.where(np.arange(L)[None] < length[:, None], rng.integers(3, V, (N, L)), 0).astype(np.int32)
+    return {"tokens": tokens, "prompt_len": plen, "length": length,
+            "topk_ids": rng.integers(0, V, (N, R, S)).astype(np.int32),
+            "topk_logp": np.log(rng.dirichlet(np.ones(S), (N, R))).astype(np.float16),
+            "temperature": np.zeros(N, np.float32), "prompt_index": np.arange(N, dtype=np.int32),
+            "heldout": np.zeros(N, bool)}
+
+
 def _tiny_run(tmp_path, target, steps: int, extra=()):
     """Write a tiny HF target and a small random distillation file; run `specjax.train.medusa.main`."""
     from spec_helpers import save_hf_llama
@@ -533,16 +546,8 @@ def _tiny_run(tmp_path, target, steps: int, extra=()):
     tdir = str(tmp_path / "target")
     if not os.path.exists(tdir):
         save_hf_llama(tdir, config, params)
-    rng = np.random.default_rng(0)
-    N, L, R, S = 12, 48, 32, 4
-    plen = rng.integers(4, 12, N).astype(np.int32)
-    length = (plen + rng.integers(8, R, N)).astype(np.int32)
-    tokens = np.where(np.arange(L)[None] < length[:, None], rng.integers(3, V, (N, L)), 0).astype(np.int32)
-    arrays = {"tokens": tokens, "prompt_len": plen, "length": length,
-              "topk_ids": rng.integers(0, V, (N, R, S)).astype(np.int32),
-              "topk_logp": np.log(rng.dirichlet(np.ones(S), (N, R))).astype(np.float16),
-              "temperature": np.zeros(N, np.float32), "prompt_index": np.arange(N, dtype=np.int32),
-              "heldout": np.arange(N) % 4 == 1}
+    arrays = _random_data(np.random.default_rng(0), 12, 48, 32, (4, 12), 8)
+    arrays["heldout"] = np.arange(12) % 4 == 1
     data = str(tmp_path / "data.npz")
     save_dataset(data, arrays, {"target": "tiny", "stop_token_ids": [2]})
     argv = ["--data", data, "--out", str(tmp_path / "run"), "--target", tdir, "--heads", "2", "--steps", str(steps),
@@ -588,16 +593,8 @@ def test_features_from_the_heads_cache_equal_a_feature_pass(tmp_path, target):
     from specjax.train.heads import compute_features, feature_cache_key, save_feature_cache
 
     config, params = target
-    rng = np.random.default_rng(1)
-    N, L, R, S = 6, 40, 24, 4
-    plen = rng.integers(3, 10, N).astype(np.int32)
-    length = (plen + rng.integers(5, R, N)).astype(np.int32)
-    tokens = np.where(np.arange(L)[None] < length[:, None], rng.integers(3, V, (N, L)), 0).astype(np.int32)
-    arrays = {"tokens": tokens, "prompt_len": plen, "length": length,
-              "topk_ids": rng.integers(0, V, (N, R, S)).astype(np.int32),
-              "topk_logp": np.log(rng.dirichlet(np.ones(S), (N, R))).astype(np.float16),
-              "temperature": np.zeros(N, np.float32), "prompt_index": np.arange(N, dtype=np.int32),
-              "heldout": np.zeros(N, bool)}
+    arrays = _random_data(np.random.default_rng(1), 6, 40, 24, (3, 10), 5)
+    tokens, length = arrays["tokens"], arrays["length"]
     data = str(tmp_path / "data.npz")
     save_dataset(data, arrays, {"target": "tiny"})
     cache = str(tmp_path / "features.npz")
