@@ -98,8 +98,8 @@ def method_from_name(name: str) -> tuple[str, SpeculativeConfig | None]:
 
 
 def method_label(spec: SpeculativeConfig) -> str:
-    """'ngram(k=4)', 'eagle3(tree 4x4, 12 nodes)', 'eagle3(chain 4)', 'medusa(15 nodes)'; lossy configurations
-    get ' LOSSY' so no table can pass them off as exact."""
+    """'ngram(k=4)', 'eagle3(tree 4x4, 12 nodes)', 'eagle3(chain 4)', 'medusa(15 nodes)', with '+lookup 4' when a
+    lookup branch is merged in; lossy configurations get ' LOSSY' so no table can pass them off as exact."""
     if spec.method in ("eagle", "eagle3"):
         shape = (f"chain {spec.depth}" if spec.top_k == 1
                  else f"tree {spec.top_k}x{spec.depth}, {spec.total_tokens} nodes")
@@ -110,6 +110,8 @@ def method_label(spec: SpeculativeConfig) -> str:
         label = f"medusa(chain {n})" if chain else f"medusa({n} nodes)"
     else:
         label = f"{spec.method}(k={spec.num_speculative_tokens})"
+    if spec.lookup_tokens:
+        label = f"{label[:-1]}, +lookup {spec.lookup_tokens})"
     return f"{label} {LOSSY_TAG}" if spec.is_lossy else label
 
 

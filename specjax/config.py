@@ -625,6 +625,9 @@ class SpeculativeConfig:
     suffix_*: suffix-tree drafter limits (suffix).
     tree_choices: a static token tree as paths of top-k ranks, e.g. ((0,), (1,), (0, 0)); must be prefix-closed.
     top_k / depth / total_tokens: dynamic draft tree shape (eagle / eagle3).
+    lookup_tokens: eagle / eagle3 / medusa: where the context holds an n-gram match (prompt_lookup_min/max), up
+        to this many looked-up tokens become the first branch of the head's tree, in place of its last nodes
+        (same node budget, so the same verify cost; `specjax.drafters.merged`). 0 = the head alone.
     acceptance: 'lossless' (exact target distribution) or 'typical' (Medusa typical acceptance; lossy, see
         `is_lossy`); typical_posterior_* are its threshold and alpha.
     adaptive: per-sequence back-off (`spec_engine.Adaptive`): a sequence whose accepted tokens per verify step
@@ -644,6 +647,7 @@ class SpeculativeConfig:
     top_k: int = 8
     depth: int = 5
     total_tokens: int = 32
+    lookup_tokens: int = 0
     acceptance: Literal["lossless", "typical"] = "lossless"
     typical_posterior_threshold: float = 0.09
     typical_posterior_alpha: float = 0.3
@@ -678,6 +682,12 @@ class SpeculativeConfig:
                 raise _invalid(name, getattr(self, name), "must be >= 1 (draft tree shape)")
         if self.tree_choices is not None:
             _check_tree(self.tree_choices)
+        if self.lookup_tokens < 0:
+            raise _invalid("lookup_tokens", self.lookup_tokens, "must be >= 0 (0 = no lookup branch)")
+        if self.lookup_tokens and self.method not in ("eagle", "eagle3", "medusa"):
+            raise _invalid("lookup_tokens", self.lookup_tokens,
+                           f"merges a lookup branch into a head's tree, so it needs method eagle, eagle3 or medusa "
+                           f"(got {self.method!r}); for lookups alone use method 'ngram'")
         if not (0 < self.typical_posterior_threshold <= 1):
             raise _invalid("typical_posterior_threshold", self.typical_posterior_threshold, "must be in (0, 1]")
         if not (0 <= self.typical_posterior_alpha <= 1):

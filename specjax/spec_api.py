@@ -58,6 +58,11 @@ def build_drafter(llm, spec: SpeculativeConfig):
             f"speculative method {spec.method!r} is not available in this build of specjax; "
             "available: 'ngram', 'draft_model', 'suffix', 'medusa', 'eagle', 'eagle3'")
     built = _with_acceptance(built, spec)
+    if spec.lookup_tokens:
+        from specjax.drafters.merged import WithLookup
+
+        lookup = NgramDrafter(spec.lookup_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        built = WithLookup(built[0], lookup), built[1]
     llm._drafters[key] = built
     return built
 

@@ -300,6 +300,103 @@ def test_dynamic_tree_invariants(target, heads, kind):
         assert t[0] == int(st.dec.last_token[b])
 
 
+# ============================================================================================ merged lookup
+def test_merge_puts_the_lookup_chain_first_and_shifts_the_head_nodes():
+    from specjax.drafters.base import Proposal
+    from specjax.drafters.merged import merge
+
+    # Head: 6 nodes (root + 5): 1 and 2 under the root, 3 under 1, 4 under 3, 5 under 2; row 1 lacks node 5.
+    head = Proposal(jnp.array([[90, 11, 12, 13, 14, 15], [91, 21, 22, 23, 24, 25]]),
+                    jnp.array([[-1, 0, 0, 1, 3, 2]] * 2),
+                    jnp.array([[True] * 6, [True] * 5 + [False]]), None)
+    # Lookup chains of 2: row 0 matched (both tokens), row 1 found nothing.
+    look = Proposal(jnp.array([[90, 71, 72], [91, 0, 0]]), jnp.array([[-1, 0, 1]] * 2),
+                    jnp.array([[True, True, True], [True, False, False]]), None)
+    out = merge(head, look)
+    # Row 0: chain as nodes 1-2, then head nodes 1-3 as nodes 3-5 with parents shifted by 2 (root stays 0).
+    assert np.asarray(out.tokens[0]).tolist() == [90, 71, 72, 11, 12, 13]
+    assert np.asarray(out.parents[0]).tolist() == [-1, 0, 1, 0, 0, 3]
+    assert np.asarray(out.valid[0]).all()
+    # Row 1: the head's proposal unchanged.
+    for got, want in zip(out[:3], head[:3]):
+        assert np.asarray(got[1]).tolist() == np.asarray(want[1]).tolist()
+
+
+def _repeating_prompts(target):
+    """Two prompts whose first greedy token already occurs in them (followed by other prompt tokens), so n-gram
+    lookup (min 1) matches from the first verify step on: random 12-token prompts, kept when they qualify."""
+    from spec_helpers import last_logits
+
+    config, params = target
+    rng, found = np.random.default_rng(0), []
+    while len(found) < BATCH:
+        seq = rng.integers(0, V, 12).tolist()
+        if int(np.argmax(last_logits(params, config, seq))) in seq[:-1]:
+            found.append(seq)
+    return found
+
+
+def test_lookup_merged_into_eagle3_tree(target, heads):
+    """Through the drafter: where the context repeats, nodes 1..g are what n-gram lookup proposes and the rest
+    are the head's own best nodes; the tree keeps the head's node budget and the deeper of the two depths."""
+    from spec_helpers import spec_start
+    from specjax.drafters.merged import WithLookup
+    from specjax.drafters.ngram import NgramDrafter
+
+    config, params = target
+    hcfg, hp = heads["eagle3"]
+    base = EagleDrafter(hcfg, **TREE)
+    lookup = NgramDrafter(4, 1, 3)
+    drafter = WithLookup(base, lookup)
+    assert drafter.tree.num_nodes == base.tree.num_nodes and drafter.tree.max_depth == 4
+    dp = dparams_for(params, hp)
+    sampling = make_sampling(BATCH, max_new=MAX_NEW)
+    st = spec_start(params, config, dp, drafter, buckets_for(drafter), _repeating_prompts(target), sampling)
+    got, _ = spec_engine.propose_jit(dp, drafter, st, sampling)
+    want, _ = spec_engine.propose_jit(dp, base, st, sampling)
+    look, _ = spec_engine.propose_jit({}, lookup, st, sampling)
+    assert np.asarray(look.valid)[:, 1].all()  # both rows matched
+    g, keep = 4, base.tree.num_nodes - 5
+    for b in range(BATCH):
+        t, p = np.asarray(got.tokens[b]), np.asarray(got.parents[b])
+        assert t[1:g + 1].tolist() == np.asarray(look.tokens[b, 1:]).tolist()
+        assert p[1:g + 1].tolist() == [0, 1, 2, 3]
+        assert t[g + 1:].tolist() == np.asarray(want.tokens[b, 1:1 + keep]).tolist()
+        hp_ = np.asarray(want.parents[b, 1:1 + keep])
+        assert p[g + 1:].tolist() == np.where(hp_ > 0, hp_ + g, 0).tolist()
+
+
+@pytest.mark.parametrize("back_off", [False, True])
+def test_lookup_merged_tree_greedy_matches_plain(target, heads, back_off):
+    from specjax.drafters.merged import WithLookup
+    from specjax.drafters.ngram import NgramDrafter
+
+    config, params = target
+    hcfg, hp = heads["eagle3"]
+    drafter = WithLookup(EagleDrafter(hcfg, **TREE), NgramDrafter(4, 1, 3))
+    b = buckets_for(drafter)
+    prompts = _repeating_prompts(target)
+    want, _ = outputs(run_plain(params, config, b, prompts, make_sampling(BATCH, max_new=MAX_NEW)), BATCH)
+    st = run_spec(params, config, dparams_for(params, hp), drafter, b, prompts, make_sampling(BATCH, max_new=MAX_NEW),
+                  adaptive=ALTERNATE if back_off else None)
+    assert outputs(st.dec, BATCH)[0] == want
+    assert int(np.sum(st.stats.verify_steps)) > 0
+
+
+def test_lookup_merge_settings_are_checked(target, heads):
+    from specjax.config import ConfigError, SpeculativeConfig
+    from specjax.drafters.merged import MergedDrafterError, WithLookup
+    from specjax.drafters.ngram import NgramDrafter
+
+    hcfg = heads["eagle3"][0]
+    with pytest.raises(MergedDrafterError, match="lookup_tokens"):
+        WithLookup(EagleDrafter(hcfg, top_k=2, depth=2, total_tokens=4), NgramDrafter(4, 1, 3))
+    with pytest.raises(ConfigError, match="lookup_tokens.*eagle, eagle3 or medusa"):
+        SpeculativeConfig(method="ngram", lookup_tokens=3)
+    with pytest.raises(ConfigError, match="lookup_tokens"):
+        SpeculativeConfig(method="eagle3", lookup_tokens=-1)
+
+
 def test_drafter_settings_are_checked(heads):
     hcfg = heads["eagle"][0]
     with pytest.raises(EagleDrafterError, match="total_tokens"):

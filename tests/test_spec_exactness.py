@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct (float32) on 40 Spec-Bench prompts (first turn, chat templ
 category, then a fourth in category order), 128 new tokens, at batch 1 and batch 4 (10 batches of 4, prompts
 grouped by length), for every drafter: n-gram (gamma 4), suffix decoding (8 nodes, host-side trees), a
 draft model (the target's own GGUF file loaded as the draft; the shipped draft in specjax/assets), and the tree
-methods with the heads shipped in specjax/assets and the trees of configs/methods/{medusa,eagle,eagle3}.yaml.
+methods with the heads shipped in specjax/assets and the trees of configs/methods/{medusa,eagle,eagle3}.yaml,
+and eagle3_lookup.yaml (the EAGLE-3 tree with an n-gram lookup branch merged in).
 
 Speculation runs without the adaptive back-off, so every step verifies a proposal. The engine entry points are
 called directly with two shape buckets per batch size (prompts padded to 128 or 1024 tokens, KV caches of 384
@@ -67,7 +68,7 @@ def speculative_config(method: str) -> SpeculativeConfig | None:
         path = shipped_draft_path()
         return None if path is None else SpeculativeConfig(method="draft_model", model=path,
                                                             num_speculative_tokens=4)
-    if method in ("medusa", "eagle", "eagle3"):
+    if method in ("medusa", "eagle", "eagle3", "eagle3_lookup"):
         # the heads shipped for SmolLM2 with the trees of configs/methods/<method>.yaml
         return shipped_heads_config(method)
     raise AssertionError(method)
@@ -188,7 +189,8 @@ def explain(llm, prompts, i: int, ref, got) -> tuple[bool, str]:
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_self", "draft_shipped", "medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_self", "draft_shipped", "medusa", "eagle", "eagle3",
+                                    "eagle3_lookup"])
 def test_greedy_speculative_equals_plain(llm, prompts, plain, method, batch):
     if (ONLY_METHODS and method not in ONLY_METHODS) or (ONLY_BATCHES and batch not in ONLY_BATCHES):
         pytest.skip("not in SPECJAX_EXACT_METHODS / SPECJAX_EXACT_BATCHES")

@@ -12,7 +12,8 @@ returns P), for the draft model (iid acceptance) and the n-gram drafter (determi
 draft samples with top-p but reports a q computed without it. A draft that ignores top-p for both sampling and
 q is NOT a bug (acceptance is lossless for any q that is what was sampled), and the test must pass it.
 Planted variants run under a fresh drafter subclass, so no compiled program is shared with the honest runs.
-Deterministic trees with siblings (a static Medusa tree, an EAGLE-2 dynamic tree) go through the same tests; their
+Deterministic trees with siblings (a static Medusa tree, an EAGLE-2 dynamic tree, the latter with a lookup chain
+merged in) go through the same tests; their
 planted bug is the same residual one, which there lets a rejected sibling come back as the correction token.
 """
 from __future__ import annotations
@@ -184,7 +185,7 @@ def fresh(drafter, **overrides):
 def drafter_for(name: str, draft, target=None):
     """(drafter, dparams): chains ("draft_model", "ngram") and deterministic trees with siblings ("medusa": a
     static 5-node tree from two random heads; "eagle": an EAGLE-2 dynamic tree of 6 nodes from a perturbed
-    EAGLE-1 head)."""
+    EAGLE-1 head; "eagle_lookup": that tree with an n-gram chain of GAMMA merged in where the context matches)."""
     if name == "draft_model":
         dcfg, dparams = draft
         return DraftModelDrafter(dcfg, GAMMA, V), {"params": dparams}
@@ -208,12 +209,17 @@ def drafter_for(name: str, draft, target=None):
         keys = jax.random.split(jax.random.PRNGKey(8), len(leaves))
         head = jax.tree_util.tree_unflatten(treedef, [a + 0.1 * jax.random.normal(k, a.shape, a.dtype)
                                                       for a, k in zip(leaves, keys)])
-        return EagleDrafter(hc, top_k=3, depth=2, total_tokens=6), {"head": head, "embed": params["embed"],
-                                                                    "lm_head": params["lm_head"]}
+        eagle = EagleDrafter(hc, top_k=3, depth=2, total_tokens=6)
+        return eagle, {"head": head, "embed": params["embed"], "lm_head": params["lm_head"]}
+    if name == "eagle_lookup":
+        from specjax.drafters.merged import WithLookup
+
+        eagle, dparams = drafter_for("eagle", draft, target)
+        return WithLookup(eagle, NgramDrafter(GAMMA, 1, 2)), dparams
     raise AssertionError(name)
 
 
-TREES = ["medusa", "eagle"]
+TREES = ["medusa", "eagle", "eagle_lookup"]
 
 
 def report(label: str, res: dict, extra: str = "") -> str:
@@ -286,7 +292,7 @@ def test_acceptance_is_neither_rare_nor_certain(target, draft, prompt, method):
     assert 0.1 < rate < 0.9, rate
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle", "eagle_lookup"])
 def test_planted_bug_residual_not_updated_is_caught(target, draft, prompt, exact_logits, method, monkeypatch):
     """For a tree, the bug lets a rejected sibling be sampled again as the correction."""
     drafter, dparams = drafter_for(method, draft, target)
