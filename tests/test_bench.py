@@ -142,7 +142,7 @@ def test_lossy_configs_are_labelled_and_recorded(tmp_path):
     label, spec = bench.method_from_name("ngram")
     assert "LOSSY" not in label and bench.method_info("ngram", spec)["lossy"] is False
     assert bench.method_from_name("plain") == ("plain", None)
-    assert bench.method_from_name("eagle3_lookup")[0] == "eagle3(tree 4x4, 12 nodes, +lookup 4)"
+    assert bench.method_from_name("eagle3_lookup")[0] == "eagle3(tree 4x4, 12 nodes, +lookup 6)"
     rec = record("a", 4, 1.0, 0.1, 4, 2, 3, [2], [4])
     summary = bench.summarize({"plain": [record("a", 4, 1.0, 0.1)], "ngram(k=3) LOSSY": [dict(rec, lossy=True)]})
     assert summary["ngram(k=3) LOSSY"]["overall"]["lossy"] is True

@@ -195,11 +195,17 @@ def _medusa(target, fitted, choices, mode="deterministic"):
     return MedusaDrafter(hcfg, choices, mode), draft_params(hcfg, heads, params)
 
 
-@pytest.mark.parametrize("choices,adaptive", [(TREE, None), (chain_choices(K), spec_engine.Adaptive())],
-                         ids=["tree", "chain-adaptive"])
-def test_greedy_equals_plain_through_the_engine(target, fitted, plain_greedy, choices, adaptive):
+@pytest.mark.parametrize("choices,adaptive,lookup", [(TREE, None, 0), (chain_choices(K), spec_engine.Adaptive(), 0),
+                                                    (TREE, None, 3)],
+                         ids=["tree", "chain-adaptive", "tree-with-lookup-branch"])
+def test_greedy_equals_plain_through_the_engine(target, fitted, plain_greedy, choices, adaptive, lookup):
     config, params = target
     drafter, dp = _medusa(target, fitted, choices)
+    if lookup:
+        from specjax.drafters.merged import WithLookup
+        from specjax.drafters.ngram import NgramDrafter
+
+        drafter = WithLookup(drafter, NgramDrafter(lookup, 1, 3))
     state = run_spec(params, config, dp, drafter, BUCKETS, PROMPTS, make_sampling(BATCH, max_new=MAX_NEW),
                      adaptive=adaptive)
     outs, _ = outputs(state.dec, BATCH)
