@@ -329,7 +329,21 @@ def medusa_tree_choices(base: Sequence[Sequence[int]], sizes: Sequence[int]) -> 
 
 
 def tree_configs(llm, spec: SpeculativeConfig, sizes: Sequence[int]) -> tuple[dict[int, SpeculativeConfig], list[str]]:
-    """({size: the SpeculativeConfig drafting that many nodes, back-off off}, skip messages) for a tree method."""
+    """({size: the SpeculativeConfig drafting that many nodes, back-off off}, skip messages) for a tree method.
+
+    With `lookup_tokens` g the size counts the lookup branch too (g lookup nodes + size - g head nodes), so sizes
+    up to g, which would leave the head no node, are skipped."""
+    g = spec.lookup_tokens
+    short = [s for s in sorted(set(sizes)) if g and 1 <= s <= g]
+    sizes = [s for s in sizes if s not in short]
+    settings, skipped = _tree_configs(llm, spec, sizes)
+    if short:
+        skipped.append(f"tree size(s) {', '.join(map(str, short))} skipped: lookup_tokens {g} takes {g} of the "
+                       f"nodes and the head needs at least one; use sizes above {g} or lower lookup_tokens")
+    return settings, skipped
+
+
+def _tree_configs(llm, spec: SpeculativeConfig, sizes: Sequence[int]) -> tuple[dict[int, SpeculativeConfig], list[str]]:
     from specjax.spec_api import build_drafter
 
     if spec.method == "medusa":

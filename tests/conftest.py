@@ -9,3 +9,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 SPEC_BENCH = os.path.join(SHARED, "data", "spec_bench", "question.jsonl")
+
+
+import gc
+
+import jax
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Drop JAX's compiled programs after every test module.
+
+    Each compiled XLA:CPU program keeps its own memory mappings, and one process running the whole suite builds
+    thousands of them: without this the mapping count reaches the kernel's vm.max_map_count (65530 by default)
+    and XLA aborts the process inside a compile (SIGABRT, no Python traceback)."""
+    yield
+    jax.clear_caches()
+    gc.collect()

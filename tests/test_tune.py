@@ -134,6 +134,16 @@ def test_invalid_eagle_sizes_are_skipped_with_a_message():
     assert tune.eagle_tree_sizes(1, 4, [2, 4, 5])[0] == {2: (2, 2), 4: (4, 4)}
 
 
+def test_sizes_a_lookup_branch_would_fill_are_skipped():
+    spec = SpeculativeConfig(method="eagle3", model="unused", top_k=3, depth=3, total_tokens=12, lookup_tokens=4)
+    settings, skipped = tune.tree_configs(None, spec, [2, 4, 5, 12, 40])
+    assert sorted(settings) == [5, 12]
+    for s, sc in settings.items():
+        assert sc.total_tokens == s and sc.lookup_tokens == 4 and not sc.adaptive
+    assert any("2, 4 skipped: lookup_tokens 4" in m for m in skipped)
+    assert any("tree size 40 skipped" in m for m in skipped)
+
+
 def test_chain_method_has_no_tree_sizes():
     llm = tiny_llm(tiny_config(V), tiny_params(tiny_config(V), seed=0))
     with pytest.raises(tune.TuneError, match="chain"):
