@@ -362,8 +362,10 @@ def _tree_configs(llm, spec: SpeculativeConfig, sizes: Sequence[int]) -> tuple[d
 
 
 def _tree_depth(spec: SpeculativeConfig) -> int:
-    """Deepest drafted level of a config from `tree_configs`."""
-    return max(map(len, spec.tree_choices)) if spec.method == "medusa" else spec.depth
+    """Deepest drafted level of a config from `tree_configs` (a lookup branch of `lookup_tokens` nodes is a
+    chain under the root, so it can reach below the head's levels)."""
+    head = max(map(len, spec.tree_choices)) if spec.method == "medusa" else spec.depth
+    return max(head, spec.lookup_tokens)
 
 
 # ============================================================================================ validation

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -142,6 +143,9 @@ def test_sizes_a_lookup_branch_would_fill_are_skipped():
         assert sc.total_tokens == s and sc.lookup_tokens == 4 and not sc.adaptive
     assert any("2, 4 skipped: lookup_tokens 4" in m for m in skipped)
     assert any("tree size 40 skipped" in m for m in skipped)
+    # per-position acceptance must cover the lookup branch, which is deeper than the head's 3 levels
+    assert tune._tree_depth(settings[12]) == 4
+    assert tune._tree_depth(dataclasses.replace(settings[12], lookup_tokens=2)) == 3
 
 
 def test_chain_method_has_no_tree_sizes():
