@@ -9,6 +9,9 @@ weights travel separately as `dparams` and its evolving state as `dstate`, both 
     observe_plain(dparams, dstate, ctx: DraftContext) -> dstate   # the engine decodes ctx.last_token plainly
                                                                    # this step (back-off); keep caches in step
 
+`propose` must leave dstate as `observe_plain` would have, up to entries past ctx.lengths that a later step
+overwrites: when a proposal turns out empty the engine decodes plainly without calling `observe_plain` again.
+
 `tree` fixes the node budget N and the maximum depth of every proposal; `mode` names how the proposal was
 drawn, which decides the acceptance rule ("deterministic" for lookups and top-k trees, "iid" / "wor" for
 sampled drafts, whose q the proposal must carry).
