@@ -17,6 +17,7 @@ import numpy as np
 from specjax import engine
 from specjax.config import ConfigError, SamplingParams, SpeculativeConfig
 from specjax.models.loading import DEFAULT_MODEL, load_model
+from specjax.models.llama import fuse_projections
 from specjax.sampling import SamplingArrays
 
 FINISH_NAMES = {engine.FINISH_STOP: "stop", engine.FINISH_LENGTH: "length"}
@@ -73,7 +74,8 @@ class LLM:
         self.model_spec = model
         self.dtype = dtype
         self.config = loaded.config
-        self.params = loaded.params
+        # The inference layout (fused, [out, in] projections): 10-25% faster target forwards on XLA:CPU.
+        self.params = fuse_projections(loaded.params)
         self.tokenizer = loaded.tokenizer
         self.source = loaded.source
         self.max_context = min(max_context or loaded.config.max_position_embeddings,

@@ -20,6 +20,7 @@ from specjax.config import SpeculativeConfig
 from specjax.drafters.base import Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
+from specjax.models.llama import fuse_projections
 
 
 class SpeculativeConfigError(ValueError):
@@ -93,7 +94,8 @@ def _draft_model(llm, spec: SpeculativeConfig):
             raise SpeculativeConfigError(
                 f"draft model {spec.model!r} was built for a vocabulary of {config.vocab_size} tokens, the target "
                 f"has {llm.config.vocab_size}; a draft must share the target's tokenizer")
-        dparams = {"params": jax.tree_util.tree_map(lambda a: a.astype(llm.params["embed"].dtype), params),
+        dparams = {"params": fuse_projections(jax.tree_util.tree_map(lambda a: a.astype(llm.params["embed"].dtype),
+                                                                     params)),
                    "d2t": jnp.asarray(d2t, jnp.int32)}
     else:
         resolve_model(path)
@@ -103,7 +105,7 @@ def _draft_model(llm, spec: SpeculativeConfig):
             raise SpeculativeConfigError(
                 f"draft model {spec.model!r} has a vocabulary of {config.vocab_size} tokens, the target has "
                 f"{llm.config.vocab_size}; a draft must share the target's tokenizer")
-        dparams = {"params": loaded.params}
+        dparams = {"params": fuse_projections(loaded.params)}
     return DraftModelDrafter(config, spec.num_speculative_tokens, llm.config.vocab_size), dparams
 
 

@@ -22,7 +22,7 @@ from helpers import (ancestor_mask, fresh_cache, full_logits, jit_forward, llama
                      numpy_inv_freq, tiny_config, tiny_params, tree_paths)
 from specjax.kernels.reference import tree_attention_reference
 from specjax.kv_cache import KVCache, compact, write_kv
-from specjax.models.llama import cast_params, dense_mask, rms_norm, rope_inv_freq
+from specjax.models.llama import cast_params, dense_mask, fuse_projections, rms_norm, rope_inv_freq
 
 TOL = 1e-4
 
@@ -47,12 +47,14 @@ def padded_batch(seqs, length, rng, vocab):
     return out
 
 
+@pytest.mark.parametrize("layout", ["canonical", "fused"])
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_forward_matches_numpy_reference(name):
+def test_forward_matches_numpy_reference(name, layout):
     cfg = variant_config(name)
     params = tiny_params(cfg, seed=1)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 48)
-    ours = full_logits(params, cfg, tokens)
+    # The reference reads the canonical layout; the forward runs either (fused = the layout LLM runs).
+    ours = full_logits(fuse_projections(params) if layout == "fused" else params, cfg, tokens)
     ref, _ = numpy_forward(params, cfg, tokens)
     assert ref.std() > 0.5, "logits too flat for the comparison to mean anything"
     np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
@@ -239,6 +241,25 @@ def test_linear_rope_scaling_is_position_division():
     a = jit_forward(params, lin, tokens, pos, fresh_cache(lin, 1, 8)).logits
     b = jit_forward(params, plain, tokens, pos // 4, fresh_cache(plain, 1, 8)).logits
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_fuse_projections_layout():
+    cfg = tiny_config(attention_bias=True, architecture="Qwen2ForCausalLM")
+    params = tiny_params(cfg, seed=21)
+    before = jax.tree_util.tree_map(np.asarray, params)
+    fused = fuse_projections(params)
+    lp, fp = params["layers"][0], fused["layers"][0]
+    q, kv, F = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    assert sorted(fp) == ["attn_norm", "bqkv", "mlp_norm", "w_down_t", "w_gu_t", "wo_t", "wqkv_t"]
+    assert fp["wqkv_t"].shape == (q + 2 * kv, cfg.hidden_size) and fp["w_gu_t"].shape == (2 * F, cfg.hidden_size)
+    # Rows are [out, in]: q rows first, then k, then v; gate rows, then up.
+    np.testing.assert_array_equal(fp["wqkv_t"][q:q + kv], np.asarray(lp["wk"]).T)
+    np.testing.assert_array_equal(fp["w_gu_t"][F:], np.asarray(lp["w_up"]).T)
+    np.testing.assert_array_equal(fp["bqkv"][q + kv:], lp["bv"])
+    np.testing.assert_array_equal(fp["w_down_t"], np.asarray(lp["w_down"]).T)
+    # The input is untouched and fusing twice changes nothing.
+    jax.tree_util.tree_map(np.testing.assert_array_equal, before, jax.tree_util.tree_map(np.asarray, params))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, fused, fuse_projections(fused))
 
 
 def test_qwen2_biases_are_applied():

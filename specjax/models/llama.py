@@ -15,6 +15,13 @@ against 31 ms per SmolLM2 decode step), and decode is bound by exactly those wei
     final_norm  [H]
     lm_head     [H, V]   (absent when the embeddings are tied)
 `param_axes(config)` gives the same tree with logical axis names for sharding.
+
+`fuse_projections` turns this canonical layout into the inference layout `LLM` runs, with fewer, wider products
+stored [out, in]: per layer wqkv_t [(Hq+2Hkv)*D, H] (and bqkv [(Hq+2Hkv)*D]) in place of wq/wk/wv, wo_t [H, Hq*D],
+w_gu_t [2F, H] in place of w_gate/w_up, and w_down_t [H, F]. `forward` accepts either (the pytree's keys are
+static under jit). Why, measured on XLA:CPU with SmolLM2-135M: a one-token product runs on one core unless it is
+large enough to be split across threads, and the fused ones are (one-token forward 30 -> 23 ms); and products of
+several tokens contract the weights' minor axis faster in the [out, in] layout (5 tokens: 34 -> 27 ms).
 """
 from __future__ import annotations
 
@@ -86,6 +93,29 @@ def param_axes(config: LlamaConfig) -> dict:
     if not config.tie_word_embeddings:
         axes["lm_head"] = ("embed", "vocab")
     return axes
+
+
+def fuse_projections(params: dict) -> dict:
+    """The inference layout of canonical params (see the module docstring): a new tree, the input untouched.
+    Layers already in the inference layout pass through."""
+    def fuse(lp: dict) -> dict:
+        if "wqkv_t" in lp:
+            return dict(lp)
+        out = {k: v for k, v in lp.items() if k in ("attn_norm", "mlp_norm")}
+        out["wqkv_t"] = jnp.concatenate([lp["wq"], lp["wk"], lp["wv"]], axis=1).T
+        if "bq" in lp:
+            out["bqkv"] = jnp.concatenate([lp["bq"], lp["bk"], lp["bv"]])
+        out["wo_t"] = lp["wo"].T
+        out["w_gu_t"] = jnp.concatenate([lp["w_gate"], lp["w_up"]], axis=1).T
+        out["w_down_t"] = lp["w_down"].T
+        return out
+
+    return {**params, "layers": [fuse(lp) for lp in params["layers"]]}
+
+
+def _dot_t(x: jax.Array, w_t: jax.Array) -> jax.Array:
+    """x [..., K] @ w_t.T for w_t [N, K] (a weight stored [out, in]) -> [..., N]."""
+    return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def param_shapes(config: LlamaConfig) -> dict:
@@ -273,11 +303,17 @@ def forward(
     new_k, new_v, kept = [], [], {}
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        q = h @ lp["wq"]
-        k = h @ lp["wk"]
-        v = h @ lp["wv"]
-        if c.attention_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        fused = "wqkv_t" in lp
+        if fused:
+            qkv = _dot_t(h, lp["wqkv_t"])
+            if c.attention_bias:
+                qkv = qkv + lp["bqkv"]
+            nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+        else:
+            q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+            if c.attention_bias:
+                q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
         q = apply_rope(q.reshape(B, T, c.num_heads, c.head_dim), positions, inv_freq)
         k = apply_rope(k.reshape(B, T, c.num_kv_heads, c.head_dim), positions, inv_freq)
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
@@ -293,9 +329,14 @@ def forward(
                 a = attention_fn(q, layer_k, layer_v, cache.lengths, tree_mask, scale=scale)
         new_k.append(layer_k)
         new_v.append(layer_v)
-        x = x + a.reshape(B, T, -1) @ lp["wo"]
+        x = x + (_dot_t(a.reshape(B, T, -1), lp["wo_t"]) if fused else a.reshape(B, T, -1) @ lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+        if fused:
+            gu = _dot_t(h, lp["w_gu_t"])
+            m = jax.nn.silu(gu[..., :c.intermediate_size]) * gu[..., c.intermediate_size:]
+            x = x + _dot_t(m, lp["w_down_t"])
+        else:
+            x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
         if i in wanted:
             kept[i] = x
     layer_hidden = jnp.stack([kept[h % c.num_layers] for h in hidden_layers]) if hidden_layers else None
