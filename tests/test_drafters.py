@@ -514,6 +514,30 @@ def test_draft_cache_after_rejections_equals_a_fresh_prefill(target, draft, step
         assert np.asarray(state.stats.plain_steps).sum() > 0, "back-off never decoded plainly"
 
 
+@pytest.mark.parametrize("catch_up", [8, 0])
+def test_draft_cache_after_a_long_back_off_equals_a_fresh_prefill(target, draft, catch_up):
+    """A 20-step back-off (deferred: the plain steps' tokens reach the draft 8 at a time during it and the rest
+    before the next proposal; catch_up 0: one draft forward per plain step), then a probe and two plain steps:
+    the draft's next proposal equals that of a fresh draft prefilled on the same history."""
+    config, params = target
+    dcfg, dp = draft
+    drafter = DraftModelDrafter(dcfg, 3, V, catch_up=catch_up)
+    dparams = {"params": dp}
+    sampling = make_sampling(BATCH, temperature=1.0, seed=[11, 12, 13, 14], max_new=MAX_NEW)
+    state = run_spec(params, config, dparams, drafter, BUCKETS, PROMPTS, sampling, max_steps=23,
+                     adaptive=spec_engine.Adaptive(min_gain=5.0, probe_every=20, max_gap_factor=1))
+    assert np.asarray(state.stats.plain_steps).min() >= 20 and np.asarray(state.stats.verify_steps).min() == 2
+    assert np.all(np.asarray(state.dec.finish) == engine.FINISH_RUNNING)
+    L = np.asarray(state.dec.cache.lengths)
+    if catch_up:
+        assert np.all(L - 1 - np.asarray(state.dstate.lengths) > 0), "nothing pending: the catch-up is untested"
+    got, _ = spec_engine.propose_jit(dparams, drafter, state, sampling)
+    fresh = drafter.init(dparams, params, state.history, jnp.asarray(L), BUCKETS.capacity)
+    want, _ = spec_engine.propose_jit(dparams, drafter, state._replace(dstate=fresh), sampling)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.q), np.asarray(want.q), atol=2e-5)
+
+
 # ------------------------------------------------------------------------------------------------- suffix host state
 
 

@@ -107,6 +107,8 @@ def bigram():
 # Back-off on every other step: a verify step (idle 0) makes no row want to speculate, the plain step after it
 # (idle 1 = probe_every) makes every row probe again.
 ALTERNATE = spec_engine.Adaptive(min_gain=1e9, probe_every=1, max_gap_factor=1)
+# One verify step, 10 plain steps, a probe, plain steps again.
+LONG_GAP = spec_engine.Adaptive(min_gain=1e9, probe_every=10, max_gap_factor=1)
 
 
 def plain_outputs(params, config, drafter):
@@ -190,20 +192,24 @@ def _scratch(params, config, hcfg, head, dparams, seq, L, steps, width=64):
 
 @functools.partial(jax.jit, static_argnames=("drafter",))
 def _candidates(dparams, drafter, state, sampling):
-    return drafter.candidates(dparams, state.dstate, spec_engine.context(state, sampling))[:3]
+    ctx = spec_engine.context(state, sampling)
+    return drafter.candidates(dparams, drafter.flush_pending(dparams, state.dstate, ctx).cache, ctx)[:3]
 
 
-@pytest.mark.parametrize("kind,adaptive,steps", [
-    ("eagle3", None, 3), pytest.param("eagle", None, 3, marks=pytest.mark.slow), ("eagle3", ALTERNATE, 6),
-    ("eagle", ALTERNATE, 5)], ids=["eagle3", "eagle", "eagle3-with-plain-steps", "eagle-with-plain-steps"])
-def test_tree_candidates_equal_scratch_head_after_verify_steps(target, heads, kind, adaptive, steps):
+@pytest.mark.parametrize("kind,adaptive,steps,catch_up", [
+    ("eagle3", None, 3, 16), pytest.param("eagle", None, 3, 16, marks=pytest.mark.slow), ("eagle3", ALTERNATE, 6, 16),
+    ("eagle", ALTERNATE, 5, 16), ("eagle3", LONG_GAP, 13, 4), ("eagle3", LONG_GAP, 13, 0)],
+    ids=["eagle3", "eagle", "eagle3-with-plain-steps", "eagle-with-plain-steps", "eagle3-long-back-off-deferred",
+         "eagle3-long-back-off-eager"])
+def test_tree_candidates_equal_scratch_head_after_verify_steps(target, heads, kind, adaptive, steps, catch_up):
     """Every candidate's token and cumulative score equal a from-scratch unroll of the head on target features
     recomputed over the committed history (after verify steps with varying accept counts, and with the engine's
     back-off taking plain steps in between): the head's cache, positions and tree attention at every level agree
-    with the training path."""
+    with the training path. With a 10-step back-off and catch_up 4, the pairs of the plain steps reach the head's
+    cache through buffer flushes during the back-off and one before the candidates (catch_up 0: every step)."""
     config, params = target
     hcfg, hp = heads[kind]
-    drafter = EagleDrafter(hcfg, **TREE)
+    drafter = EagleDrafter(hcfg, **TREE, catch_up=catch_up)
     dp = dparams_for(params, hp)
     sampling = make_sampling(BATCH, max_new=MAX_NEW)
     st = run_spec(params, config, dp, drafter, buckets_for(drafter), PROMPTS, sampling, max_steps=steps,
@@ -211,6 +217,10 @@ def test_tree_candidates_equal_scratch_head_after_verify_steps(target, heads, ki
     if adaptive is not None:
         plain_steps = np.asarray(st.stats.plain_steps)
         assert plain_steps.min() >= 2 and np.asarray(st.stats.verify_steps).min() >= 2, plain_steps
+    if adaptive is LONG_GAP:
+        assert plain_steps.min() >= 10, plain_steps
+        if catch_up:
+            assert np.asarray(st.dstate.pend_n).min() > 0, "nothing pending: the flush before the candidates is untested"
     tok, score, parent = (np.asarray(a) for a in _candidates(dp, drafter, st, sampling))
     hist = np.asarray(st.history)
     k = drafter.top_k

@@ -7,10 +7,12 @@ weights travel separately as `dparams` and its evolving state as `dstate`, both 
     propose(dparams, dstate, ctx: DraftContext) -> (Proposal, dstate)
     update(dparams, dstate, ctx: DraftContext, result: AcceptResult) -> dstate
     observe_plain(dparams, dstate, ctx: DraftContext) -> dstate   # the engine decodes ctx.last_token plainly
-                                                                   # this step (back-off); keep caches in step
+                                                                   # this step (back-off); keep caches in step,
+                                                                   # at once or deferred to a later step
 
-`propose` must leave dstate as `observe_plain` would have, up to entries past ctx.lengths that a later step
-overwrites: when a proposal turns out empty the engine decodes plainly without calling `observe_plain` again.
+`propose` must leave dstate equivalent to what `observe_plain` would have left (the same later proposals; entries
+past ctx.lengths that a later step overwrites may differ, and work `observe_plain` defers may be done): when a
+proposal turns out empty the engine decodes plainly without calling `observe_plain` again.
 
 `tree` fixes the node budget N and the maximum depth of every proposal; `mode` names how the proposal was
 drawn, which decides the acceptance rule ("deterministic" for lookups and top-k trees, "iid" / "wor" for

@@ -5,6 +5,13 @@ The draft keeps its own KV cache in `dstate`. Its committed length is derived fr
 rewrites one entry that may already be there (same value) and covers the case where every draft token was
 accepted and the last one never went through the draft. So rejections need no cache repair at all.
 
+Backed off (the engine decodes plainly), the draft does not run a forward per token: `dstate.lengths` records
+how many leading entries of the draft cache hold committed tokens, and the tokens decoded since then, all in the
+history, go through the draft `catch_up` at a time, when that many are pending or before the next proposal. A
+forward over 16 tokens costs about what one over a single token does on a CPU, where the per-token forwards
+cost 5-10% of a plain step. Where the compile policy has no `lax.cond` (Neuron) every plain step is observed
+at once, as before.
+
 Optional reduced draft vocabulary: with `d2t` [Vd] (draft index -> target id) the draft's LM head covers Vd
 tokens only, and its full-vocabulary q puts zero mass elsewhere (the acceptance rule is lossless for any q).
 """
@@ -31,6 +38,7 @@ class DraftModelDrafter:
     target_vocab_size: int = 0
     mode: str = "iid"
     features: tuple = ()
+    catch_up: int = 16  # tokens per deferred draft forward while backed off (0 = observe every plain step)
 
     @property
     def tree(self) -> TreeSpec:
@@ -48,12 +56,34 @@ class DraftModelDrafter:
         return dstate
 
     def observe_plain(self, dparams, dstate, ctx: DraftContext):
-        """The target decodes ctx.last_token at position L without speculating: run it through the draft too,
-        so the draft cache keeps every committed entry below L (its invariant)."""
+        """The target decodes ctx.last_token at position L without speculating. Eagerly (no `lax.cond`, or
+        catch_up = 0): run it through the draft, so the draft cache keeps every committed entry below L. Deferred:
+        only when `catch_up` tokens are pending does one forward write them."""
         L = ctx.lengths
-        out = forward(dparams["params"], self.config, ctx.last_token[:, None], L[:, None], dstate._replace(lengths=L),
-                      compute_logits=False)
-        return out.cache
+        if not (ctx.allow_cond and self.catch_up):
+            out = forward(dparams["params"], self.config, ctx.last_token[:, None], L[:, None],
+                          dstate._replace(lengths=L), compute_logits=False)
+            return out.cache
+        cache = dstate._replace(lengths=self._synced(dstate, L))
+        # Pending: positions [synced, L] (last_token, at L, included).
+        full = jnp.any(L + 1 - cache.lengths >= self.catch_up)
+        return jax.lax.cond(full, lambda c: self._catch_up_chunk(dparams, c, ctx, L + 1), lambda c: c, cache)
+
+    @staticmethod
+    def _synced(dstate, L):
+        """Leading draft cache entries that hold committed tokens [B]. A proposal leaves lengths past its drafted
+        tokens; of those only the entries below the new L - 1 are committed (the accepted ones)."""
+        return jnp.minimum(dstate.lengths, jnp.maximum(L - 1, 0))
+
+    def _catch_up_chunk(self, dparams, cache, ctx: DraftContext, upto):
+        """Run history tokens [lengths, lengths + catch_up) through the draft; lengths -> min(that, upto) [B].
+        Entries written past `upto` hold no committed token; they lie past lengths and are rewritten later."""
+        start = cache.lengths
+        B = start.shape[0]
+        pos = start[:, None] + jnp.arange(self.catch_up, dtype=jnp.int32)[None]
+        toks = jnp.take_along_axis(ctx.history, jnp.clip(pos, 0, ctx.history.shape[1] - 1), axis=1)
+        out = forward(dparams["params"], self.config, toks, pos, cache, compute_logits=False)
+        return out.cache._replace(lengths=jnp.minimum(start + self.catch_up, upto).astype(jnp.int32))
 
     def _q(self, dparams, logits, sampling, allow_cond: bool):
         """Draft logits [B, Vd] -> (q over the target vocabulary [B, V], sampling probs over the draft vocab)."""
@@ -74,10 +104,15 @@ class DraftModelDrafter:
         B = ctx.last_token.shape[0]
         L = ctx.lengths
         u = uniforms(ctx.sampling.seed, ctx.step, (g,), stream=DRAFT_STREAM)  # [B, g]
+        cache = dstate._replace(lengths=self._synced(dstate, L))
+        if ctx.allow_cond and self.catch_up:
+            # Tokens decoded plainly since the draft last ran (back-off), in chunks, up to L - 1.
+            cache = jax.lax.while_loop(lambda c: jnp.any(c.lengths < L - 1),
+                                       lambda c: self._catch_up_chunk(dparams, c, ctx, L - 1), cache)
         prev = jnp.take_along_axis(ctx.history, jnp.maximum(L - 1, 0)[:, None], axis=1)[:, 0]
         toks = jnp.stack([prev, ctx.last_token], axis=1)
         pos = jnp.stack([L - 1, L], axis=1)
-        cache = dstate._replace(lengths=L - 1)
+        cache = cache._replace(lengths=L - 1)
         out = forward(params, c, toks, pos, cache, logit_positions=jnp.ones((B, 1), jnp.int32))
         q0, s0 = self._q(dparams, out.logits[:, 0], ctx.sampling, ctx.allow_cond)
         x0 = self._to_target(dparams, sample(s0, u[:, 0]).astype(jnp.int32))
