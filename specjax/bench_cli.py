@@ -68,17 +68,21 @@ def _jsonable(x):
     raise TypeError(type(x))
 
 
-def _run_peers(args, prompts, results) -> None:
-    from specjax.peers import PeerUnavailable, make_runner
+def _run_peers(args, prompts, results, checkpoint=None) -> None:
+    """Run each requested peer in its own process (`specjax.peers.run_isolated`): a peer that is missing or dies
+    is reported and skipped, and the methods measured so far are kept."""
+    from specjax.peers import PeerFailed, PeerUnavailable, run_isolated
 
     for name in args.peers:
+        print(f"running peer {name}", file=sys.stderr)
         try:
-            runner = make_runner(name, args.model, assistant_dir=args.peer_draft)
-        except PeerUnavailable as e:
+            results[f"peer:{name}"] = run_isolated(name, args.model, prompts, args.max_new_tokens,
+                                                   assistant_dir=args.peer_draft)
+        except (PeerUnavailable, PeerFailed) as e:
             print(f"peer {name} skipped: {e}", file=sys.stderr)
             continue
-        print(f"running peer {name}", file=sys.stderr)
-        results[f"peer:{name}"] = runner(prompts, args.max_new_tokens)
+        if checkpoint:
+            checkpoint()
         base = name.split("-")[0]
         if name != base and f"peer:{base}" in results:
             same = [a["token_ids"] == b["token_ids"] for a, b in zip(results[f"peer:{base}"], results[f"peer:{name}"])]
@@ -109,9 +113,9 @@ def _release(llm) -> None:
     jax.clear_caches()
 
 
-def _batch1(args, llm, prompts, methods, sp, tqdm) -> dict:
-    """{label: per-prompt records} at batch 1, with the greedy-equality check against plain."""
-    results = {}
+def _batch1(args, llm, prompts, methods, sp, tqdm, results: dict, checkpoint=None) -> dict:
+    """Fill `results` with {label: per-prompt records} at batch 1, with the greedy-equality check against plain;
+    `checkpoint()` runs after each method."""
     for label, spec, _ in methods:
         bar = tqdm(total=len(prompts), desc=f"T={sp.temperature} {label}", file=sys.stderr) if tqdm else None
 
@@ -129,6 +133,8 @@ def _batch1(args, llm, prompts, methods, sp, tqdm) -> dict:
             for r, ok in zip(results[label], same):
                 r["identical_to_plain"] = ok
             print(f"{label}: greedy output identical to plain on {sum(same)}/{len(same)} prompts", file=sys.stderr)
+        if checkpoint:
+            checkpoint()
     return results
 
 
@@ -184,11 +190,22 @@ def run(args) -> int:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
+    partial = os.path.join(args.out, "results.partial.json")
+
+    def checkpoint() -> None:
+        # Everything measured so far, rewritten after each method: a run that dies later keeps it.
+        tmp = partial + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1, default=_jsonable)
+        os.replace(tmp, partial)
+
     for temp in args.temperatures:
         sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temp, seed=args.seed)
-        results = _batch1(args, llm, prompts, methods, sp, tqdm)
+        results: dict = {}
+        report["runs"][str(temp)] = {"records": results}
+        _batch1(args, llm, prompts, methods, sp, tqdm, results, checkpoint)
         if temp == 0:
-            _run_peers(args, prompts, results)
+            _run_peers(args, prompts, results, checkpoint)
         summary = bench.summarize(results)
         title = f"T={temp}" + (" (greedy)" if temp == 0 else "")
         bench.print_table(summary, title)
@@ -196,6 +213,7 @@ def run(args) -> int:
         for png in bench.plot(summary, os.path.join(args.out, f"T{temp:g}"), title):
             md.append(f"![{os.path.basename(png)}]({os.path.basename(png)})\n")
         report["runs"][str(temp)] = {"summary": summary, "records": results}
+        checkpoint()
         if any(b > 1 for b in args.batch_sizes):
             table = _throughput(args, llm, prompts, methods, sp, results)
             report["throughput"][str(temp)] = table
@@ -214,5 +232,7 @@ def run(args) -> int:
         json.dump(report, f, indent=1, default=_jsonable)
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write("\n".join(md))
+    if os.path.exists(partial):
+        os.remove(partial)
     print(f"wrote {args.out}/results.json and {args.out}/report.md", file=sys.stderr)
     return 0

@@ -246,6 +246,7 @@ def run_cli(model_dir, tmp_path, methods: list[str], limit: int = 3) -> tuple[di
                  "--out", str(out)]) == 0
     for png in ("T0_throughput.png", "T0_speedup.png", "T0_acceptance.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert not (out / "results.partial.json").exists()  # a finished run leaves only its final results
     return json.loads((out / "results.json").read_text()), (out / "report.md").read_text()
 
 
@@ -305,3 +306,111 @@ def test_tree_methods_are_labelled_by_their_shape():
     assert bench.method_from_name("medusa_chain")[0] == "medusa(chain 4)"
     assert bench.method_from_name("medusa_typical")[0] == "medusa(15 nodes) LOSSY"
     assert bench.method_from_name("ngram")[0] == "ngram(k=4)"
+
+
+# ------------------------------------------------------------------------------------------------ peers
+PEER_PROMPTS = [bench.BenchPrompt("1", "qa", ("Hi?",)), bench.BenchPrompt("2", "math", ("1 + 1?",))]
+
+
+@pytest.fixture
+def child_command(monkeypatch):
+    """child_command(code): make `run_isolated` start `python -c code` with the real child's arguments in
+    sys.argv[1:], instead of a peer."""
+    import sys
+
+    from specjax import peers
+
+    real = peers._child_command
+
+    def use(code: str) -> None:
+        monkeypatch.setattr(peers, "_child_command", lambda *a: [sys.executable, "-c", code, *real(*a)[3:]])
+
+    return use
+
+
+def test_peer_child_round_trips_prompts_and_records(child_command):
+    """The child reads the prompts file and writes one record per prompt; the parent returns them unchanged."""
+    from specjax import peers
+
+    child_command(
+        "import json, sys; a = sys.argv[1:]; p = json.load(open(a[a.index('--prompts') + 1]));"
+        "json.dump([{'id': r['id'], 'turns': r['turns'], 'n': int(a[a.index('--max-new-tokens') + 1])} for r in p],"
+        " open(a[a.index('--out') + 1], 'w'))")
+    got = peers.run_isolated("llama.cpp", "smollm2-135m", PEER_PROMPTS, 7)
+    assert got == [{"id": "1", "turns": ["Hi?"], "n": 7}, {"id": "2", "turns": ["1 + 1?"], "n": 7}]
+
+
+def test_a_peer_that_dies_by_a_signal_is_a_clear_error(child_command):
+    """A native crash (here SIGILL, what a llama.cpp built with AMX does on a VM that hides AMX) becomes PeerFailed
+    naming the signal, the likely cause and the end of the child's output, instead of ending the bench."""
+    from specjax import peers
+
+    child_command("import os, signal, sys; print('loading the model', file=sys.stderr, flush=True);"
+                  "os.kill(os.getpid(), signal.SIGILL)")
+    with pytest.raises(peers.PeerFailed) as e:
+        peers.run_isolated("llama.cpp", "smollm2-135m", PEER_PROMPTS, 4)
+    msg = str(e.value)
+    assert "crashed with SIGILL" in msg and "rebuild" in msg and "loading the model" in msg
+
+
+@pytest.mark.parametrize("code, problem", [
+    ("raise SystemExit(1)", "exit status 1"),
+    ("pass", "without writing its records"),
+    ("import json, sys; a = sys.argv[1:]; json.dump([{}], open(a[a.index('--out') + 1], 'w'))", "1 records for 2"),
+])
+def test_a_peer_that_fails_or_writes_nothing_is_a_clear_error(child_command, code, problem):
+    from specjax import peers
+
+    child_command(code)
+    with pytest.raises(peers.PeerFailed, match=problem):
+        peers.run_isolated("transformers", "smollm2-135m", PEER_PROMPTS, 4)
+
+
+def test_unknown_peer_is_reported_unavailable_by_the_real_child():
+    """The real `python -m specjax.peers` child: an unknown peer name comes back as PeerUnavailable with its list."""
+    from specjax import peers
+
+    with pytest.raises(peers.PeerUnavailable, match="unknown peer 'vllm'; available: transformers"):
+        peers.run_isolated("vllm", "smollm2-135m", PEER_PROMPTS, 4)
+
+
+def test_bench_keeps_going_after_a_peer_crash(child_command, capsys, tmp_path):
+    """`_run_peers`: the crashed peer is skipped with its reason, the records measured before it are kept, and the
+    next peer still runs and is checkpointed."""
+    from specjax import bench_cli
+
+    child_command(
+        "import json, os, signal, sys; a = sys.argv[1:]\n"
+        "if a[a.index('--name') + 1] == 'llama.cpp': os.kill(os.getpid(), signal.SIGILL)\n"
+        "p = json.load(open(a[a.index('--prompts') + 1]))\n"
+        "json.dump([{'id': r['id'], 'token_ids': [[1, 2]]} for r in p], open(a[a.index('--out') + 1], 'w'))")
+    results = {"plain": [{"id": "1"}, {"id": "2"}]}
+    saved = []
+    args = types.SimpleNamespace(peers=["llama.cpp", "transformers"], model="smollm2-135m", max_new_tokens=4,
+                                 peer_draft=None)
+    bench_cli._run_peers(args, PEER_PROMPTS, results, checkpoint=lambda: saved.append(sorted(results)))
+    assert sorted(results) == ["peer:transformers", "plain"]
+    assert saved == [["peer:transformers", "plain"]]
+    assert "peer llama.cpp skipped: peer llama.cpp crashed with SIGILL" in capsys.readouterr().err
+
+
+def test_a_run_that_dies_keeps_what_it_measured(model_dir, llm, tmp_path, monkeypatch):
+    """The bench rewrites results.partial.json after every method: when a later stage dies (here the peers), the
+    methods already measured are on disk."""
+    from specjax import bench_cli
+    from specjax.cli import main
+
+    def die(*a, **k):
+        raise RuntimeError("the machine went away")
+
+    monkeypatch.setattr(bench_cli, "_run_peers", die)
+    data = write(tmp_path / "q.jsonl", json.dumps({"question_id": 1, "category": "x", "turns": [PROMPTS[0]]}))
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="went away"):
+        main(["bench", "--dataset", data, "--model", model_dir, "--methods", "plain", "ngram", "-n", str(MAX_NEW),
+              "--temperatures", "0", "--profile-prompts", "0", "--out", str(out)])
+    assert not (out / "results.json").exists()
+    kept = json.loads((out / "results.partial.json").read_text())
+    records = kept["runs"]["0.0"]["records"]
+    assert sorted(records) == ["ngram(k=4)", "plain"]
+    assert records["ngram(k=4)"][0]["identical_to_plain"] is True and records["plain"][0]["new_tokens"] == MAX_NEW
