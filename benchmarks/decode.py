@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.kernels import cpu_matmul
+
 PROMPTS = [
     "Explain how a rainbow forms.", "Write a short poem about autumn leaves.",
     "What are the benefits of regular exercise?", "Describe the water cycle in simple terms.",
@@ -114,6 +116,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu-matmul", nargs="+", default=None, choices=cpu_matmul.MODES,
+                    help="run specjax under each SPECJAX_CPU_MATMUL policy in turn (default: the current one)")
     args = ap.parse_args(argv)
     from specjax.api import LLM
 
@@ -121,27 +125,33 @@ def main(argv=None):
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__} on {jax.default_backend()}")
     print(f"measured copy bandwidth: {bw / 1e9:.1f} GB/s")
     rows = []
-    for dtype in args.dtypes:
-        llm = LLM(args.model, dtype=dtype)
-        wb = weight_bytes(llm.params)
-        roof = bw / wb
-        for batch in args.batches:
-            r = bench_specjax(llm, batch, args.new_tokens)
-            # At batch B one step reads the weights once and yields B tokens.
-            r.update(engine="specjax", dtype=dtype, weight_mb=wb / 1e6, roofline_tokens_per_s=roof * batch,
-                     roofline_ratio=r["tokens_per_s"] / (roof * batch))
-            rows.append(r)
-            print(f"specjax {dtype:8s} batch {batch:2d}: {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.1f} ms  "
-                  f"roofline {roof * batch:8.1f} tok/s  ratio {r['roofline_ratio']:.2f}")
+    for policy in args.cpu_matmul or [cpu_matmul.mode()]:
+        # The policy is read when a function is traced: drop every traced function before switching it.
+        os.environ[cpu_matmul.ENV_MODE] = policy
+        jax.clear_caches()
+        kernel = "" if policy == "xla" else f" (kernel {'built' if cpu_matmul.available() else 'unavailable'})"
+        print(f"SPECJAX_CPU_MATMUL={policy}{kernel}")
+        for dtype in args.dtypes:
+            llm = LLM(args.model, dtype=dtype)
+            wb = weight_bytes(llm.params)
+            roof = bw / wb
+            for batch in args.batches:
+                r = bench_specjax(llm, batch, args.new_tokens)
+                # At batch B one step reads the weights once and yields B tokens.
+                r.update(engine="specjax", dtype=dtype, cpu_matmul=policy, weight_mb=wb / 1e6,
+                         roofline_tokens_per_s=roof * batch, roofline_ratio=r["tokens_per_s"] / (roof * batch))
+                rows.append(r)
+                print(f"specjax {dtype:8s} batch {batch:2d} [{policy}]: {r['tokens_per_s']:8.1f} tok/s  "
+                      f"step {r['step_ms']:.1f} ms  roofline {roof * batch:8.1f} tok/s  ratio {r['roofline_ratio']:.2f}")
     if not args.no_hf:
         for batch in args.batches:
             h = bench_hf(args.model, batch, args.new_tokens)
             if h:
                 h.update(engine="transformers", dtype="float32")
                 rows.append(h)
-                ours = next(r for r in rows if r["engine"] == "specjax" and r["batch"] == batch and r["dtype"] == "float32")
-                print(f"transformers float32 batch {batch:2d}: {h['tokens_per_s']:8.1f} tok/s  "
-                      f"(specjax f32 is {ours['tokens_per_s'] / h['tokens_per_s']:.2f}x)")
+                ours = [r for r in rows if r["engine"] == "specjax" and r["batch"] == batch and r["dtype"] == "float32"]
+                print(f"transformers float32 batch {batch:2d}: {h['tokens_per_s']:8.1f} tok/s  " + ", ".join(
+                    f"specjax f32 [{r['cpu_matmul']}] {r['tokens_per_s'] / h['tokens_per_s']:.2f}x" for r in ours))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bandwidth_gbs": bw / 1e9, "rows": rows, "new_tokens": args.new_tokens}, f, indent=1)

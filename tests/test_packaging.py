@@ -130,6 +130,14 @@ def test_wheel_contains_the_shipped_weights(names):
             assert f"specjax/assets/{d}/{f}" in names, f"specjax/assets/{d}/{f} missing from the wheel"
 
 
+def test_wheel_contains_the_cpu_kernel_source(names):
+    # The CPU matmul kernel is compiled from this file on first use (specjax.kernels.cpu_matmul).
+    sources = sorted(f.name for f in pathlib.Path(ROOT, "kernels", "cpu").glob("*.cc"))
+    assert sources, "no C++ kernel sources found under kernels/cpu"
+    missing = [f for f in sources if f"specjax/kernels/cpu/{f}" not in names]
+    assert not missing, f"kernel sources missing from the wheel: {missing}"
+
+
 def test_wheel_has_no_stray_top_level_packages(names):
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"specjax", next(t for t in tops if t.endswith(".dist-info"))}, sorted(tops)

@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.kernels import cpu_matmul
 from specjax.kv_cache import KVCache, write_kv
 
 
@@ -114,8 +115,9 @@ def fuse_projections(params: dict) -> dict:
 
 
 def _dot_t(x: jax.Array, w_t: jax.Array) -> jax.Array:
-    """x [..., K] @ w_t.T for w_t [N, K] (a weight stored [out, in]) -> [..., N]."""
-    return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())))
+    """x [..., K] @ w_t.T for w_t [N, K] (a weight stored [out, in]) -> [..., N]. On CPU, few-row products go
+    through specjax.kernels.cpu_matmul (see there for when)."""
+    return cpu_matmul.matmul_t(x, w_t)
 
 
 def param_shapes(config: LlamaConfig) -> dict:
@@ -355,6 +357,8 @@ def lm_head(params: dict, x: jax.Array) -> jax.Array:
     # The embedding [V, H] goes first in the product, giving [V, N] and a transpose: XLA:CPU then runs one
     # weight-streaming kernel, where x @ embed.T took a small-M matrix-product path that cost about twice as
     # much for the 5-13 token verify blocks (SmolLM2's 28M-parameter head: 26 -> 12 ms at 8 tokens).
+    if cpu_matmul.use_kernel(x, params["embed"]):
+        return cpu_matmul.matmul_t(x, params["embed"], out_dtype=jnp.float32)
     lead = x.shape[:-1]
     out = jax.lax.dot_general(params["embed"], x.reshape(-1, x.shape[-1]), (((1,), (1,)), ((), ())),
                               preferred_element_type=jnp.float32)  # [V, N]
