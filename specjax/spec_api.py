@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import pathlib
 import time
 
 import jax
@@ -86,7 +87,7 @@ def _draft_model(llm, spec: SpeculativeConfig):
 
     path = resolve_draft_path(spec.model)
     cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else None
-    if cfg_file and "specjax_draft" in open(cfg_file).read():
+    if cfg_file and "specjax_draft" in pathlib.Path(cfg_file).read_text():
         from specjax.train.draft import load_draft
 
         config, params, d2t = load_draft(path, llm.params)
