@@ -98,7 +98,8 @@ def test_policy(monkeypatch):
     f32, bf16 = jnp.float32, jnp.bfloat16
     sds = jax.ShapeDtypeStruct
     monkeypatch.setenv(cm.ENV_MODE, "auto")
-    assert not cm.use_kernel(sds((1, 1, 64), f32), sds((32, 64), f32))      # one row: XLA's matrix-vector path
+    assert cm.use_kernel(sds((1, 1, 64), f32), sds((32, 64), f32))          # a one-token step
+    assert not cm.use_kernel(sds((0, 64), f32), sds((32, 64), f32))          # nothing to compute
     assert cm.use_kernel(sds((1, 5, 64), f32), sds((32, 64), f32))
     assert cm.use_kernel(sds((8, 2, 64), f32), sds((32, 64), f32))          # 16 rows
     assert not cm.use_kernel(sds((1, 17, 64), f32), sds((32, 64), f32))
