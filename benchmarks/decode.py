@@ -1,6 +1,7 @@
 """Plain-decoding throughput of specjax against this machine's memory-bandwidth roofline and HF transformers.
 
     python benchmarks/decode.py [--model smollm2-135m] [--new-tokens 128] [--batches 1 8] [--no-hf] [--json out.json]
+                                 [--cpu-matmul auto xla] [--cpu-attention auto xla]
 
 For each dtype and batch size: tokens/s of greedy decoding (the on-device while loop, prefill excluded), the
 roofline (weight bytes read per decode step / measured copy bandwidth, i.e. the best tokens/s a memory-bound
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels import cpu_matmul
+from specjax.kernels import cpu_attention, cpu_matmul
 
 PROMPTS = [
     "Explain how a rainbow forms.", "Write a short poem about autumn leaves.",
@@ -118,6 +119,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-matmul", nargs="+", default=None, choices=cpu_matmul.MODES,
                     help="run specjax under each SPECJAX_CPU_MATMUL policy in turn (default: the current one)")
+    ap.add_argument("--cpu-attention", nargs="+", default=None, choices=cpu_attention.MODES,
+                    help="and under each SPECJAX_CPU_ATTENTION policy (default: the current one)")
     args = ap.parse_args(argv)
     from specjax.api import LLM
 
@@ -125,12 +128,16 @@ def main(argv=None):
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__} on {jax.default_backend()}")
     print(f"measured copy bandwidth: {bw / 1e9:.1f} GB/s")
     rows = []
-    for policy in args.cpu_matmul or [cpu_matmul.mode()]:
-        # The policy is read when a function is traced: drop every traced function before switching it.
-        os.environ[cpu_matmul.ENV_MODE] = policy
+    policies = [(m, a) for m in args.cpu_matmul or [cpu_matmul.mode()]
+                for a in args.cpu_attention or [cpu_attention.mode()]]
+    for mm, att in policies:
+        # The policies are read when a function is traced: drop every traced function before switching them.
+        os.environ[cpu_matmul.ENV_MODE] = mm
+        os.environ[cpu_attention.ENV_MODE] = att
         jax.clear_caches()
-        kernel = "" if policy == "xla" else f" (kernel {'built' if cpu_matmul.available() else 'unavailable'})"
-        print(f"SPECJAX_CPU_MATMUL={policy}{kernel}")
+        policy = f"matmul {mm}, attention {att}"
+        kernel = f" (kernels {'built' if cpu_matmul.available() else 'unavailable'})"
+        print(f"SPECJAX_CPU_MATMUL={mm} SPECJAX_CPU_ATTENTION={att}{kernel}")
         for dtype in args.dtypes:
             llm = LLM(args.model, dtype=dtype)
             wb = weight_bytes(llm.params)
@@ -138,7 +145,7 @@ def main(argv=None):
             for batch in args.batches:
                 r = bench_specjax(llm, batch, args.new_tokens)
                 # At batch B one step reads the weights once and yields B tokens.
-                r.update(engine="specjax", dtype=dtype, cpu_matmul=policy, weight_mb=wb / 1e6,
+                r.update(engine="specjax", dtype=dtype, cpu_matmul=mm, cpu_attention=att, weight_mb=wb / 1e6,
                          roofline_tokens_per_s=roof * batch, roofline_ratio=r["tokens_per_s"] / (roof * batch))
                 rows.append(r)
                 print(f"specjax {dtype:8s} batch {batch:2d} [{policy}]: {r['tokens_per_s']:8.1f} tok/s  "
@@ -151,7 +158,8 @@ def main(argv=None):
                 rows.append(h)
                 ours = [r for r in rows if r["engine"] == "specjax" and r["batch"] == batch and r["dtype"] == "float32"]
                 print(f"transformers float32 batch {batch:2d}: {h['tokens_per_s']:8.1f} tok/s  " + ", ".join(
-                    f"specjax f32 [{r['cpu_matmul']}] {r['tokens_per_s'] / h['tokens_per_s']:.2f}x" for r in ours))
+                    f"specjax f32 [{r['cpu_matmul']}/{r['cpu_attention']}] {r['tokens_per_s'] / h['tokens_per_s']:.2f}x"
+                    for r in ours))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bandwidth_gbs": bw / 1e9, "rows": rows, "new_tokens": args.new_tokens}, f, indent=1)

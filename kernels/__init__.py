@@ -4,8 +4,9 @@ The jnp reference and the LSE-merge fallback are imported here; the Pallas kerne
 `specjax.kernels.pallas.tree_attention_gpu` (Triton) and `specjax.kernels.pallas.tree_attention_tpu` (Mosaic) and
 are normally reached through `specjax.backends.get_attention`.
 
-`specjax.kernels.cpu_matmul` is the CPU kernel for the few-row products of decoding and verification (C++ through
-XLA's FFI, compiled on first use), which the model's projections call on the CPU platform.
+On the CPU platform the model calls two C++ kernels (XLA FFI, compiled on first use by `specjax.kernels.cpu_build`):
+`specjax.kernels.cpu_matmul` for the few-row products of decoding and verification, and
+`specjax.kernels.cpu_attention` for the attention of decode and verify blocks over the committed KV cache.
 """
 from specjax.kernels.lse_merge import tree_attention_lse_merge
 from specjax.kernels.reference import (

@@ -7,10 +7,9 @@ bfloat16 decoding several times slower than float32. The C++ kernel (`cpu/small_
 row once, holds a 4-row x 6-token block of float32 accumulators in registers and widens bfloat16 in registers.
 
 The four parts, as for every specjax kernel:
-- kernel body: `cpu/small_matmul.cc`, an XLA FFI handler. It is compiled on first use with the machine's C++
-  compiler (`$CXX`, else g++, c++ or clang++; `-O3 -march=native`) into a cache directory
-  (`$SPECJAX_CACHE_DIR`, else `~/.cache/specjax`) keyed by the source, the flags and the jaxlib version, and
-  registered with `jax.ffi`. Without a compiler, specjax warns once and uses XLA's dot.
+- kernel body: `cpu/small_matmul.cc` (register tiles in `cpu/tiles.h`), an XLA FFI handler, compiled on first use
+  with the machine's C++ compiler and registered by `specjax.kernels.cpu_build`. Without a compiler, specjax warns
+  once and uses XLA's dot.
 - jitted wrapper: `small_matmul(x, w)`.
 - pure-jnp reference: `small_matmul_reference(x, w)`.
 - input validator: `validate_small_matmul_inputs(x, w)`.
@@ -25,26 +24,18 @@ The choice is made when a function is traced, so set the variable before the fir
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
 import os
-import pathlib
-import shutil
-import subprocess
-import tempfile
-import warnings
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
+
+from specjax.kernels import cpu_build
+from specjax.kernels.cpu_build import KernelBuildError
 
 ENV_MODE = "SPECJAX_CPU_MATMUL"
 MODES = ("auto", "kernel", "xla")
 FFI_TARGET = "specjax_small_matmul"
-SOURCE = pathlib.Path(__file__).with_name("cpu") / "small_matmul.cc"
-_SYMBOL = "SpecjaxSmallMatmul"
 # Row limits of the `auto` policy: above 16 rows (float32) and 64 rows (bfloat16) XLA's blocked product wins or the
 # kernel's gain is unmeasured. One-token float32 steps gain too (decode batch 1: 35.2 -> 39.5 tok/s, mean of four
 # interleaved pairs), and plain and verify steps then share one summation order.
@@ -56,100 +47,12 @@ class SmallMatmulInputError(ValueError):
     """Inputs the kernel cannot take (rank, shapes or dtypes), with what to change."""
 
 
-class KernelBuildError(RuntimeError):
-    """The C++ kernel could not be compiled or loaded; the message says why and how to get it."""
-
-
 def mode() -> str:
     """The `SPECJAX_CPU_MATMUL` policy ('auto' when unset). An unknown value is an error naming the valid ones."""
     value = os.environ.get(ENV_MODE, "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ValueError(f"{ENV_MODE}={value!r} is not one of {', '.join(MODES)}")
     return value
-
-
-# ------------------------------------------------------------------------------------------------ build and load
-
-
-def cache_dir() -> pathlib.Path:
-    root = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-    return pathlib.Path(root) / "kernels"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _flags(compiler: str) -> list[str]:
-    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-march=native",
-             "-isystem", jax.ffi.include_dir()]
-    # Some virtual machines advertise AMX tiles without enabling them (llama.cpp dies there with SIGILL). The
-    # kernel never asks for AMX, but keep the compiler from assuming it, where the compiler knows the flag.
-    probe = subprocess.run([compiler, "-mno-amx-tile", "-x", "c++", "-E", "-o", os.devnull, "-"],
-                           input=b"", capture_output=True)
-    if probe.returncode == 0:
-        flags += ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
-    return flags
-
-
-def library_path() -> pathlib.Path:
-    """Builds the kernel library if this source, compiler and jaxlib have no cached build, and returns its path.
-
-    Raises KernelBuildError when there is no C++ compiler or the build fails."""
-    compiler = _compiler()
-    if compiler is None:
-        raise KernelBuildError("no C++ compiler found (set CXX, or install g++: apt-get install g++)")
-    flags = _flags(compiler)
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
-                                     jaxlib.__version__.encode()])).hexdigest()[:16]
-    target = cache_dir() / f"small_matmul-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build into a private file and rename it in place, so concurrent processes never load a half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-        if proc.returncode != 0:
-            lines = proc.stderr.strip().splitlines()
-            tail = "\n".join([ln for ln in lines if "error" in ln][:5] or lines[-8:])
-            raise KernelBuildError(f"building {SOURCE.name} with {compiler} failed:\n{tail}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-@functools.lru_cache(maxsize=None)
-def _load() -> tuple[bool, str]:
-    """(available, reason): builds, loads and registers the kernel once per process."""
-    try:
-        lib = ctypes.CDLL(str(library_path()))
-        jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
-    except (KernelBuildError, OSError, AttributeError) as err:
-        return False, str(err)
-    return True, ""
-
-
-def available() -> bool:
-    """Whether the kernel is built and registered (building it on the first call)."""
-    return _load()[0]
-
-
-def unavailable_reason() -> str:
-    return _load()[1]
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_unavailable(reason: str) -> None:
-    warnings.warn(f"specjax CPU matmul kernel unavailable, using XLA's dot instead: {reason}", RuntimeWarning,
-                  stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------------- reference, validator
@@ -209,8 +112,8 @@ _kernel_2d.defvjp(_kernel_fwd, _kernel_bwd)
 
 def _small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     validate_small_matmul_inputs(x, w)
-    if not available():
-        raise KernelBuildError(f"the CPU matmul kernel is unavailable: {unavailable_reason()}")
+    if not cpu_build.available():
+        raise KernelBuildError(f"the CPU matmul kernel is unavailable: {cpu_build.unavailable_reason()}")
     lead = x.shape[:-1]
     y = _kernel_2d(x.reshape(-1, x.shape[-1]).astype(jnp.float32), w)
     return y.reshape(*lead, w.shape[0])
@@ -241,8 +144,8 @@ def use_kernel(x, w) -> bool:
         lo, hi = AUTO_BF16_ROWS if np.dtype(w.dtype) == np.dtype(jnp.bfloat16) else AUTO_F32_ROWS
         if not lo <= _rows(x) <= hi:
             return False
-    if not available():
-        _warn_unavailable(unavailable_reason())
+    if not cpu_build.available():
+        cpu_build.warn_unavailable("matmul", "XLA's dot")
         return False
     return True
 
@@ -261,8 +164,11 @@ def matmul_t(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
+available = cpu_build.available
+unavailable_reason = cpu_build.unavailable_reason
+
 __all__ = [
     "AUTO_BF16_ROWS", "AUTO_F32_ROWS", "ENV_MODE", "KernelBuildError", "SmallMatmulInputError", "available",
-    "library_path", "matmul_t", "mode", "small_matmul", "small_matmul_reference", "unavailable_reason",
-    "use_kernel", "validate_small_matmul_inputs",
+    "matmul_t", "mode", "small_matmul", "small_matmul_reference", "unavailable_reason", "use_kernel",
+    "validate_small_matmul_inputs",
 ]

@@ -331,26 +331,25 @@ def profile_figures(draft: float, verify: float, steps: int, new_tokens: int, re
             "draft_ms_per_step": 1000 * draft / steps if steps else 0.0, "lossy": lossy}
 
 
-def _cpu_matmul_mode() -> str:
-    """The CPU matmul kernel's policy and whether it is built ('auto (kernel built)', 'xla', ...)."""
-    from specjax.kernels import cpu_matmul
-
-    m = cpu_matmul.mode()
+def _cpu_kernel_mode(module) -> str:
+    """A CPU kernel module's policy and whether the kernels are built ('auto (kernel built)', 'xla', ...)."""
+    m = module.mode()
     if m == "xla":
         return m
-    return f"{m} (kernel {'built' if cpu_matmul.available() else 'unavailable: ' + cpu_matmul.unavailable_reason()})"
+    return f"{m} (kernel {'built' if module.available() else 'unavailable: ' + module.unavailable_reason()})"
 
 
 def environment(llm) -> dict:
     import jax
 
     import specjax
+    from specjax.kernels import cpu_attention, cpu_matmul
 
     return {"specjax": specjax.__version__, "jax": jax.__version__, "platform": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "machine": platform.machine(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "model": llm.model_spec, "dtype": llm.dtype,
             "attention_impl": llm.attention_impl, "backend": llm.backend,
-            "cpu_matmul": _cpu_matmul_mode(),
+            "cpu_matmul": _cpu_kernel_mode(cpu_matmul), "cpu_attention": _cpu_kernel_mode(cpu_attention),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

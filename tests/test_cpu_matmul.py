@@ -12,6 +12,7 @@ from helpers import fresh_cache, tiny_config, tiny_params
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.medusa import MedusaDrafter
 from specjax.heads.medusa import MedusaConfig, draft_params, init_heads
+from specjax.kernels import cpu_build as cb
 from specjax.kernels import cpu_matmul as cm
 from specjax.models.llama import forward, fuse_projections
 
@@ -143,32 +144,32 @@ def test_gradient_and_vmap_through_the_kernel(mode):
 
 def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cm, "_compiler", lambda: None)
+    monkeypatch.setattr(cb, "_compiler", lambda: None)
     with pytest.raises(cm.KernelBuildError, match="no C\\+\\+ compiler found \\(set CXX"):
-        cm.library_path()
+        cb.library_path()
 
 
 def test_failed_build_shows_the_compiler_error(monkeypatch, tmp_path):
     bad = tmp_path / "bad.cc"
     bad.write_text("int main( { return 0; }\n")
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cm, "SOURCE", bad)
+    monkeypatch.setattr(cb, "SOURCES", (bad,))
     with pytest.raises(cm.KernelBuildError, match="(?s)bad.cc with .* failed:.*bad.cc:1:.*error"):
-        cm.library_path()
+        cb.library_path()
     assert not list((tmp_path / "cache" / "kernels").glob("*.so")), "a failed build left a library behind"
 
 
 def test_unavailable_kernel_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setenv(cm.ENV_MODE, "kernel")
-    monkeypatch.setattr(cm, "_load", lambda: (False, "no C++ compiler found (set CXX, or install g++)"))
-    cm._warn_unavailable.cache_clear()
+    monkeypatch.setattr(cb, "_load", lambda: (False, "no C++ compiler found (set CXX, or install g++)"))
+    cb.warn_unavailable.cache_clear()
     x, w = _inputs((4,), 32, 8, jnp.float32)
     with pytest.warns(RuntimeWarning, match="unavailable, using XLA's dot instead: no C\\+\\+ compiler"):
         y = cm.matmul_t(x, w)
     np.testing.assert_allclose(np.asarray(y), np.asarray(cm.small_matmul_reference(x, w)), rtol=1e-5, atol=1e-5)
     with pytest.raises(cm.KernelBuildError, match="unavailable: no C\\+\\+ compiler"):
         cm._small_matmul(x, w)
-    cm._warn_unavailable.cache_clear()
+    cb.warn_unavailable.cache_clear()
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-4), (jnp.bfloat16, 0.15)])

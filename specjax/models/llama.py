@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.kernels import cpu_matmul
+from specjax.kernels import cpu_attention, cpu_matmul
 from specjax.kv_cache import KVCache, write_kv
 
 
@@ -320,7 +320,9 @@ def forward(
         k = apply_rope(k.reshape(B, T, c.num_kv_heads, c.head_dim), positions, inv_freq)
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
         if mask is None and attention_fn is None:
-            a = prefix_tree_attention(q, cache.k[i], cache.v[i], k, v, cache.lengths, tree_mask, scale)
+            # The C++ kernel on the CPU platform for decode and verify blocks (specjax.kernels.cpu_attention).
+            a = cpu_attention.attention(q, cache.k[i], cache.v[i], k, v, cache.lengths, tree_mask, scale=scale,
+                                        fallback=prefix_tree_attention)
             layer_k, layer_v = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths)
         else:
             layer_k, layer_v = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths)

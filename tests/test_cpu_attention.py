@@ -1,0 +1,220 @@
+"""The CPU attention kernel (specjax.kernels.cpu_attention): against its jnp reference and XLA's version, its
+validator, its policy and fallback, and the model and speculative decoding running through it."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_helpers as sh
+from helpers import fresh_cache, tiny_config, tiny_params
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.medusa import MedusaDrafter
+from specjax.heads.medusa import MedusaConfig, draft_params, init_heads
+from specjax.kernels import cpu_attention as ca
+from specjax.kernels import cpu_build as cb
+from specjax.models.llama import forward, fuse_projections, prefix_tree_attention
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not cb.available():
+        pytest.skip(f"kernel unavailable here: {cb.unavailable_reason()}")
+
+
+@pytest.fixture
+def mode(monkeypatch):
+    """Sets SPECJAX_CPU_ATTENTION for one test and drops every traced function before and after, since the
+    choice is made at trace time."""
+    def set_mode(value: str):
+        monkeypatch.setenv(ca.ENV_MODE, value)
+        jax.clear_caches()
+    yield set_mode
+    jax.clear_caches()
+
+
+def _inputs(B, T, Hq, Hkv, S, D, lengths, cache_dtype=jnp.float32, tree=True, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, T, Hq, D)), jnp.float32)
+    kc = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), cache_dtype)
+    vc = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), cache_dtype)
+    kn = jnp.asarray(rng.standard_normal((B, T, Hkv, D)), jnp.float32)
+    vn = jnp.asarray(rng.standard_normal((B, T, Hkv, D)), jnp.float32)
+    if tree:
+        # A random tree-like mask: every token sees itself and a random subset of the others.
+        tm = jnp.asarray(rng.random((B, T, T)) < 0.4) | jnp.eye(T, dtype=bool)[None]
+    else:
+        tm = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    return q, kc, vc, kn, vn, jnp.asarray(lengths, jnp.int32), tm
+
+
+# Prefix lengths cross the 128-slot blocks (0, 1, 127, 128, 129, 300, the whole cache); D crosses the 16-lane steps
+# (17, 40 leave tails); T crosses the 6-query register tiles (1, 5, 13); GQA groups 1-4.
+CASES = [
+    (1, 1, 9, 3, 512, 64, [256]),
+    (2, 5, 9, 3, 600, 64, [0, 513]),
+    (3, 13, 4, 2, 400, 40, [399, 3, 129]),
+    (2, 3, 8, 8, 300, 128, [300, 128]),
+    (1, 4, 2, 1, 64, 17, [127]),
+    (2, 7, 6, 2, 260, 32, [1, 259]),
+]
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("B,T,Hq,Hkv,S,D,lengths", CASES)
+def test_kernel_matches_reference(B, T, Hq, Hkv, S, D, lengths, cache_dtype):
+    args = _inputs(B, T, Hq, Hkv, S, D, lengths, cache_dtype)
+    got = np.asarray(ca.prefix_attention(*args, scale=D ** -0.5))
+    want = np.asarray(ca.prefix_attention_reference(*args, scale=D ** -0.5))
+    assert got.shape == (B, T, Hq, D) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_matches_the_models_xla_attention():
+    # The function the kernel replaces in the model, on a causal chain block.
+    q, kc, vc, kn, vn, L, tm = _inputs(2, 5, 9, 3, 300, 64, [140, 7], tree=False)
+    got = np.asarray(ca.prefix_attention(q, kc, vc, kn, vn, L, tm, scale=0.125))
+    want = np.asarray(prefix_tree_attention(q, kc, vc, kn, vn, L, tm, 0.125))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_queries_that_see_nothing_get_zeros_and_lengths_are_clipped():
+    q, kc, vc, kn, vn, _, tm = _inputs(3, 4, 4, 2, 50, 32, [0, 0, 0])
+    tm = tm.at[0].set(False)  # sequence 0: empty prefix, sees no new token either
+    L = jnp.asarray([0, 999, -5], jnp.int32)  # past the capacity, negative
+    got = np.asarray(ca.prefix_attention(q, kc, vc, kn, vn, L, tm, scale=0.2))
+    assert np.isfinite(got).all()
+    assert (got[0] == 0).all()
+    want = np.asarray(ca.prefix_attention_reference(q, kc, vc, kn, vn, jnp.asarray([0, 50, 0]), tm, scale=0.2))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_reads_only_the_committed_prefix():
+    # NaN beyond each sequence's length must not reach the output: the kernel never reads those slots.
+    q, kc, vc, kn, vn, L, tm = _inputs(2, 3, 4, 2, 400, 32, [130, 5])
+    slot = jnp.arange(400)[None, None, :, None]
+    poison = slot >= L[:, None, None, None]
+    kc, vc = jnp.where(poison, jnp.nan, kc), jnp.where(poison, jnp.nan, vc)
+    got = np.asarray(ca.prefix_attention(q, kc, vc, kn, vn, L, tm, scale=0.2))
+    assert np.isfinite(got).all()
+
+
+def test_vmap_runs_the_kernel_per_element():
+    q, kc, vc, kn, vn, L, tm = _inputs(1, 2, 4, 2, 64, 16, [20])
+    qs = jnp.stack([q, 2 * q, -q])
+    got = jax.vmap(lambda q: ca.prefix_attention(q, kc, vc, kn, vn, L, tm, scale=0.25))(qs)
+    want = jnp.stack([ca.prefix_attention_reference(x, kc, vc, kn, vn, L, tm, scale=0.25) for x in qs])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def _shapes(**change):
+    s = dict(q=(2, 3, 8, 16), k_cache=(2, 4, 32, 16), v_cache=(2, 4, 32, 16), k_new=(2, 3, 4, 16),
+             v_new=(2, 3, 4, 16), lengths=(2,), tree_mask=(2, 3, 3))
+    d = dict(q=jnp.float32, k_cache=jnp.float32, v_cache=jnp.float32, k_new=jnp.float32, v_new=jnp.float32,
+             lengths=jnp.int32, tree_mask=jnp.bool_)
+    for name, value in change.items():
+        if isinstance(value, tuple):
+            s[name] = value
+        else:
+            d[name] = value
+    return [jax.ShapeDtypeStruct(s[n], d[n]) for n in s]
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(q=(2, 3, 8)), "q must be \\[B, T, Hq, D\\]"),
+    (dict(k_cache=(2, 4, 32, 8), v_cache=(2, 4, 32, 8)), "k_cache must be \\[B=2, Hkv, S, D=16\\]"),
+    (dict(v_cache=(2, 4, 31, 16)), "must have one shape"),
+    (dict(k_cache=(2, 3, 32, 16), v_cache=(2, 3, 32, 16)), "query heads \\(8\\) must be a multiple of KV heads \\(3\\)"),
+    (dict(k_new=(2, 3, 4, 15)), "k_new must be \\[B, T, Hkv, D\\]"),
+    (dict(lengths=jnp.float32), "lengths must be integer"),
+    (dict(tree_mask=jnp.int32), "tree_mask must be bool"),
+    (dict(k_cache=jnp.float16, v_cache=jnp.float16), "float32 or bfloat16"),
+    (dict(v_cache=jnp.bfloat16), "one dtype for K and V"),
+    (dict(q=jnp.int32), "q must be floating point"),
+])
+def test_validator_names_the_problem(change, message):
+    with pytest.raises(ca.PrefixAttentionInputError, match=message):
+        ca.validate_prefix_attention_inputs(*_shapes(**change))
+
+
+def test_policy(monkeypatch):
+    small, big = _shapes(), _shapes(q=(1, 200, 8, 16), k_new=(1, 200, 4, 16), v_new=(1, 200, 4, 16),
+                                    k_cache=(1, 4, 32, 16), v_cache=(1, 4, 32, 16), lengths=(1,),
+                                    tree_mask=(1, 200, 200))
+    monkeypatch.setenv(ca.ENV_MODE, "auto")
+    assert ca.use_kernel(*small) and not ca.use_kernel(*big)  # prefill chunks above 128 tokens stay with XLA
+    assert not ca.use_kernel(*_shapes(k_cache=jnp.float16, v_cache=jnp.float16))
+    monkeypatch.setenv(ca.ENV_MODE, "kernel")
+    assert ca.use_kernel(*big)
+    monkeypatch.setenv(ca.ENV_MODE, "xla")
+    assert not ca.use_kernel(*small)
+    monkeypatch.setenv(ca.ENV_MODE, "fastest")
+    with pytest.raises(ValueError, match="SPECJAX_CPU_ATTENTION='fastest' is not one of auto, kernel, xla"):
+        ca.use_kernel(*small)
+
+
+def test_unavailable_kernel_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setenv(ca.ENV_MODE, "kernel")
+    monkeypatch.setattr(cb, "_load", lambda: (False, "no C++ compiler found (set CXX, or install g++)"))
+    cb.warn_unavailable.cache_clear()
+    q, kc, vc, kn, vn, L, tm = _inputs(1, 2, 4, 2, 40, 16, [10])
+    with pytest.warns(RuntimeWarning, match="attention kernel unavailable, using XLA's attention instead: no C"):
+        y = ca.attention(q, kc, vc, kn, vn, L, tm, scale=0.25, fallback=prefix_tree_attention)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(prefix_tree_attention(q, kc, vc, kn, vn, L, tm, 0.25)))
+    with pytest.raises(ca.KernelBuildError, match="unavailable: no C\\+\\+ compiler"):
+        ca._prefix_attention(q, kc, vc, kn, vn, L, tm, 0.25)
+    cb.warn_unavailable.cache_clear()
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-4), (jnp.bfloat16, 0.15)])
+def test_model_forward_through_the_kernel(mode, dtype, tol):
+    cfg = tiny_config()
+    params = fuse_projections(tiny_params(cfg, dtype=dtype))
+    tokens = jnp.asarray([[5, 17, 99, 3, 250, 42, 7], [8, 8, 1, 2, 3, 4, 5]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+
+    def run():
+        fwd = jax.jit(lambda p, t, q, c: forward(p, cfg, t, q, c))
+        out = fwd(params, tokens, pos, fresh_cache(cfg, 2, 16, dtype))
+        # A second block over the written cache: the kernel then reads a committed prefix.
+        out2 = fwd(params, tokens[:, :3], pos[:, :3] + 7, out.cache._replace(lengths=out.cache.lengths + 7))
+        return np.asarray(out.logits, np.float32), np.asarray(out2.logits, np.float32)
+
+    mode("xla")
+    want = run()
+    mode("kernel")
+    hlo = jax.jit(lambda p, t, q, c: forward(p, cfg, t, q, c)).lower(
+        params, tokens, pos, fresh_cache(cfg, 2, 16, dtype)).as_text()
+    assert ca.FFI_TARGET in hlo, "the kernel was not used"
+    got = run()
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("method", ["draft", "tree"])
+def test_greedy_speculation_equals_plain_through_the_kernel(mode, method):
+    # Every attention of the target and the draft model (prefill, one-token steps, chain and tree verify blocks)
+    # runs in the kernel; XLA's attention is not traced at all.
+    mode("kernel")
+    V = 96
+    cfg = sh.tiny_config(V)
+    params = fuse_projections(sh.tiny_params(cfg, seed=1))
+    prompts = [[3, 9, 27, 81, 50, 11], [7, 7, 8]]
+    buckets = sh.tiny_buckets(2, max_new=20)
+    sampling = sh.make_sampling(2, max_new=20)
+    plain, _ = sh.outputs(sh.run_plain(params, cfg, buckets, prompts, sampling))
+    if method == "draft":
+        dcfg = sh.tiny_config(V, num_layers=1)
+        drafter, dparams = DraftModelDrafter(dcfg, 3, V), {"params": fuse_projections(sh.tiny_params(dcfg, seed=2))}
+    else:
+        hcfg = MedusaConfig(num_heads=3, hidden_size=cfg.hidden_size, vocab_size=V)
+        heads = init_heads(hcfg, jax.random.PRNGKey(0), scale=0.5)
+        tree = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0))
+        drafter, dparams = MedusaDrafter(hcfg, tree), draft_params(hcfg, heads, params)
+    state = sh.run_spec(params, cfg, dparams, drafter, buckets, prompts, sampling)
+    spec, _ = sh.outputs(state.dec)
+    assert spec == plain
+    assert int(np.asarray(state.stats.verify_steps).sum()) > 0
