@@ -1,7 +1,7 @@
 """Plain-decoding throughput of specjax against this machine's memory-bandwidth roofline and HF transformers.
 
     python benchmarks/decode.py [--model smollm2-135m] [--new-tokens 128] [--batches 1 8] [--no-hf] [--json out.json]
-                                 [--cpu-matmul auto xla] [--cpu-attention auto xla]
+                                 [--cpu-matmul auto xla] [--cpu-attention auto xla] [--rounds 3]
 
 For each dtype and batch size: tokens/s of greedy decoding (the on-device while loop, prefill excluded), the
 roofline (weight bytes read per decode step / measured copy bandwidth, i.e. the best tokens/s a memory-bound
@@ -117,52 +117,80 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat every measurement (bandwidth, specjax, transformers) this many times, in turn")
     ap.add_argument("--cpu-matmul", nargs="+", default=None, choices=cpu_matmul.MODES,
                     help="run specjax under each SPECJAX_CPU_MATMUL policy in turn (default: the current one)")
     ap.add_argument("--cpu-attention", nargs="+", default=None, choices=cpu_attention.MODES,
                     help="and under each SPECJAX_CPU_ATTENTION policy (default: the current one)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     from specjax.api import LLM
 
-    bw = copy_bandwidth()
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__} on {jax.default_backend()}")
-    print(f"measured copy bandwidth: {bw / 1e9:.1f} GB/s")
-    rows = []
+    rows, bws = [], []
     policies = [(m, a) for m in args.cpu_matmul or [cpu_matmul.mode()]
                 for a in args.cpu_attention or [cpu_attention.mode()]]
-    for mm, att in policies:
-        # The policies are read when a function is traced: drop every traced function before switching them.
-        os.environ[cpu_matmul.ENV_MODE] = mm
-        os.environ[cpu_attention.ENV_MODE] = att
-        jax.clear_caches()
-        policy = f"matmul {mm}, attention {att}"
-        kernel = f" (kernels {'built' if cpu_matmul.available() else 'unavailable'})"
-        print(f"SPECJAX_CPU_MATMUL={mm} SPECJAX_CPU_ATTENTION={att}{kernel}")
-        for dtype in args.dtypes:
-            llm = LLM(args.model, dtype=dtype)
-            wb = weight_bytes(llm.params)
-            roof = bw / wb
+    llms = {}
+    for rnd in range(args.rounds):
+        # Each round measures the bandwidth, every specjax configuration and transformers again: this machine's
+        # speed drifts by 10-20% within minutes, so only figures of one round compare.
+        bw = copy_bandwidth()
+        bws.append(bw)
+        print(f"round {rnd + 1}/{args.rounds}: measured copy bandwidth {bw / 1e9:.1f} GB/s")
+        for mm, att in policies:
+            # The policies are read when a function is traced: drop every traced function before switching them.
+            os.environ[cpu_matmul.ENV_MODE] = mm
+            os.environ[cpu_attention.ENV_MODE] = att
+            jax.clear_caches()
+            policy = f"matmul {mm}, attention {att}"
+            kernel = f" (kernels {'built' if cpu_matmul.available() else 'unavailable'})"
+            print(f"SPECJAX_CPU_MATMUL={mm} SPECJAX_CPU_ATTENTION={att}{kernel}")
+            for dtype in args.dtypes:
+                llm = llms.get(dtype) or llms.setdefault(dtype, LLM(args.model, dtype=dtype))
+                wb = weight_bytes(llm.params)
+                roof = bw / wb
+                for batch in args.batches:
+                    r = bench_specjax(llm, batch, args.new_tokens)
+                    # At batch B one step reads the weights once and yields B tokens.
+                    r.update(engine="specjax", dtype=dtype, cpu_matmul=mm, cpu_attention=att, weight_mb=wb / 1e6,
+                             roofline_tokens_per_s=roof * batch, roofline_ratio=r["tokens_per_s"] / (roof * batch),
+                             round=rnd + 1)
+                    rows.append(r)
+                    print(f"specjax {dtype:8s} batch {batch:2d} [{policy}]: {r['tokens_per_s']:8.1f} tok/s  "
+                          f"step {r['step_ms']:.1f} ms  roofline {roof * batch:8.1f} tok/s  "
+                          f"ratio {r['roofline_ratio']:.2f}")
+        if not args.no_hf:
             for batch in args.batches:
-                r = bench_specjax(llm, batch, args.new_tokens)
-                # At batch B one step reads the weights once and yields B tokens.
-                r.update(engine="specjax", dtype=dtype, cpu_matmul=mm, cpu_attention=att, weight_mb=wb / 1e6,
-                         roofline_tokens_per_s=roof * batch, roofline_ratio=r["tokens_per_s"] / (roof * batch))
-                rows.append(r)
-                print(f"specjax {dtype:8s} batch {batch:2d} [{policy}]: {r['tokens_per_s']:8.1f} tok/s  "
-                      f"step {r['step_ms']:.1f} ms  roofline {roof * batch:8.1f} tok/s  ratio {r['roofline_ratio']:.2f}")
-    if not args.no_hf:
-        for batch in args.batches:
-            h = bench_hf(args.model, batch, args.new_tokens)
-            if h:
-                h.update(engine="transformers", dtype="float32")
-                rows.append(h)
-                ours = [r for r in rows if r["engine"] == "specjax" and r["batch"] == batch and r["dtype"] == "float32"]
-                print(f"transformers float32 batch {batch:2d}: {h['tokens_per_s']:8.1f} tok/s  " + ", ".join(
-                    f"specjax f32 [{r['cpu_matmul']}/{r['cpu_attention']}] {r['tokens_per_s'] / h['tokens_per_s']:.2f}x"
-                    for r in ours))
+                h = bench_hf(args.model, batch, args.new_tokens)
+                if h:
+                    h.update(engine="transformers", dtype="float32", round=rnd + 1)
+                    rows.append(h)
+                    ours = [r for r in rows if r["engine"] == "specjax" and r["batch"] == batch
+                            and r["dtype"] == "float32" and r["round"] == rnd + 1]
+                    for r in ours:
+                        r["vs_transformers"] = r["tokens_per_s"] / h["tokens_per_s"]
+                    print(f"transformers float32 batch {batch:2d}: {h['tokens_per_s']:8.1f} tok/s  " + ", ".join(
+                        f"specjax f32 [{r['cpu_matmul']}/{r['cpu_attention']}] {r['vs_transformers']:.2f}x"
+                        for r in ours))
+    if args.rounds > 1:
+        print(f"median over {args.rounds} rounds:")
+        for mm, att in policies:
+            for dtype in args.dtypes:
+                for batch in args.batches:
+                    rs = [r for r in rows if r["engine"] == "specjax" and (r["cpu_matmul"], r["cpu_attention"],
+                                                                          r["dtype"], r["batch"]) == (mm, att, dtype, batch)]
+                    line = (f"  specjax {dtype:8s} batch {batch:2d} [matmul {mm}, attention {att}]: "
+                            f"{np.median([r['tokens_per_s'] for r in rs]):8.1f} tok/s  roofline ratio "
+                            f"{np.median([r['roofline_ratio'] for r in rs]):.2f}")
+                    vs = [r["vs_transformers"] for r in rs if "vs_transformers" in r]
+                    print(line + (f"  vs transformers {np.median(vs):.2f}x (rounds: "
+                                  f"{', '.join(f'{v:.2f}' for v in vs)})" if vs else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy_bandwidth_gbs": bw / 1e9, "rows": rows, "new_tokens": args.new_tokens}, f, indent=1)
+            json.dump({"copy_bandwidth_gbs": [b / 1e9 for b in bws], "rows": rows, "new_tokens": args.new_tokens,
+                       "rounds": args.rounds}, f, indent=1)
 
 
 if __name__ == "__main__":
