@@ -25,8 +25,6 @@ The choice is made when a function is traced, so set the variable before the fir
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +33,7 @@ from specjax.kernels import cpu_build
 from specjax.kernels.cpu_build import KernelBuildError
 
 ENV_MODE = "SPECJAX_CPU_ATTENTION"
-MODES = ("auto", "kernel", "xla")
+MODES = cpu_build.MODES
 FFI_TARGET = "specjax_prefix_attention"
 # Blocks of new tokens the `auto` policy gives the kernel: decode steps, chain and tree verify blocks, batches.
 AUTO_MAX_TOKENS = 128
@@ -47,10 +45,7 @@ class PrefixAttentionInputError(ValueError):
 
 def mode() -> str:
     """The `SPECJAX_CPU_ATTENTION` policy ('auto' when unset). An unknown value is an error naming the valid ones."""
-    value = os.environ.get(ENV_MODE, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"{ENV_MODE}={value!r} is not one of {', '.join(MODES)}")
-    return value
+    return cpu_build.env_mode(ENV_MODE)
 
 
 def validate_prefix_attention_inputs(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask) -> None:

@@ -29,6 +29,18 @@ HEADERS = (SOURCE_DIR / "tiles.h",)
 TARGETS = {"specjax_small_matmul": "SpecjaxSmallMatmul", "specjax_prefix_attention": "SpecjaxPrefixAttention"}
 
 
+MODES = ("auto", "kernel", "xla")
+
+
+def env_mode(variable: str) -> str:
+    """A kernel policy from the environment variable `variable` ('auto' when unset): auto, kernel or xla. An
+    unknown value is an error naming the valid ones."""
+    value = os.environ.get(variable, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{variable}={value!r} is not one of {', '.join(MODES)}")
+    return value
+
+
 class KernelBuildError(RuntimeError):
     """The C++ kernels could not be compiled or loaded; the message says why and how to get them."""
 
@@ -116,5 +128,5 @@ def warn_unavailable(what: str, fallback: str) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["KernelBuildError", "SOURCES", "TARGETS", "available", "cache_dir", "library_path", "unavailable_reason",
+__all__ = ["KernelBuildError", "MODES", "SOURCES", "TARGETS", "available", "cache_dir", "env_mode", "library_path", "unavailable_reason",
            "warn_unavailable"]

@@ -24,8 +24,6 @@ The choice is made when a function is traced, so set the variable before the fir
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +32,7 @@ from specjax.kernels import cpu_build
 from specjax.kernels.cpu_build import KernelBuildError
 
 ENV_MODE = "SPECJAX_CPU_MATMUL"
-MODES = ("auto", "kernel", "xla")
+MODES = cpu_build.MODES
 FFI_TARGET = "specjax_small_matmul"
 # Row limits of the `auto` policy: above 16 rows (float32) and 64 rows (bfloat16) XLA's blocked product wins or the
 # kernel's gain is unmeasured. One-token float32 steps gain too (decode batch 1: 35.2 -> 39.5 tok/s, mean of four
@@ -49,10 +47,7 @@ class SmallMatmulInputError(ValueError):
 
 def mode() -> str:
     """The `SPECJAX_CPU_MATMUL` policy ('auto' when unset). An unknown value is an error naming the valid ones."""
-    value = os.environ.get(ENV_MODE, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"{ENV_MODE}={value!r} is not one of {', '.join(MODES)}")
-    return value
+    return cpu_build.env_mode(ENV_MODE)
 
 
 # ------------------------------------------------------------------------------------------- reference, validator

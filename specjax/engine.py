@@ -219,9 +219,20 @@ def decode_step_features(params: dict, config: LlamaConfig, state: DecodeState, 
     cache = state.cache
     out = forward(params, config, state.last_token[:, None], cache.lengths[:, None], cache, attention_fn=attention_fn,
                   hidden_layers=feature_layers(features))
-    probs = process_logits(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
-                           allow_cond=allow_cond)
-    tok = sample(probs, uniforms(sampling.seed, state.step, ())).astype(jnp.int32)
+    def sampled(logits):  # [B, V] -> [B]
+        probs = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p, allow_cond=allow_cond)
+        return sample(probs, uniforms(sampling.seed, state.step, ())).astype(jnp.int32)
+
+    def greedy(logits):
+        # What `sampled` returns for greedy rows (the one-hot of the argmax, sampled), without the uniforms, the
+        # cumulative sum and the one-hot over the vocabulary: 0.35 ms of a 22 ms step at batch 1 on a CPU.
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    logits = out.logits[:, 0]
+    if allow_cond:
+        tok = jax.lax.cond(jnp.any(sampling.temperature > 0), sampled, greedy, logits)
+    else:
+        tok = sampled(logits)
     running = state.finish == FINISH_RUNNING
     cache = out.cache._replace(lengths=cache.lengths + running.astype(jnp.int32))
     state = state._replace(cache=cache, step=state.step + running.astype(jnp.int32))

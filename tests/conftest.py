@@ -27,3 +27,14 @@ def _drop_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def kernel_policy(monkeypatch):
+    """set_policy(variable, value) sets a CPU kernel policy (SPECJAX_CPU_MATMUL, SPECJAX_CPU_ATTENTION) for one
+    test, dropping every traced function before and after: the policies are read when a function is traced."""
+    def set_policy(variable: str, value: str):
+        monkeypatch.setenv(variable, value)
+        jax.clear_caches()
+    yield set_policy
+    jax.clear_caches()

@@ -285,3 +285,33 @@ def chi2_pvalue(stat: float, dof: int) -> float:
     if math.isinf(stat):
         return 0.0
     return float(gammaincc(jnp.float32(dof / 2), jnp.float32(stat / 2)))
+
+
+def assert_greedy_speculation_equals_plain(method: str) -> None:
+    """Greedy speculation on a tiny target equals plain greedy decoding, token for token, with at least one verify
+    step: method "draft" (a 1-layer draft model, chains of 3) or "tree" (Medusa heads, an 8-node static tree).
+    Used to check that a kernel policy set by the caller keeps speculation exact."""
+    from specjax.drafters.draft_model import DraftModelDrafter
+    from specjax.drafters.medusa import MedusaDrafter
+    from specjax.heads.medusa import MedusaConfig, draft_params, init_heads
+    from specjax.models.llama import fuse_projections
+
+    V = 96
+    cfg = tiny_config(V)
+    params = fuse_projections(tiny_params(cfg, seed=1))
+    prompts = [[3, 9, 27, 81, 50, 11], [7, 7, 8]]
+    buckets = tiny_buckets(2, max_new=20)
+    sampling = make_sampling(2, max_new=20)
+    plain, _ = outputs(run_plain(params, cfg, buckets, prompts, sampling))
+    if method == "draft":
+        dcfg = tiny_config(V, num_layers=1)
+        drafter, dparams = DraftModelDrafter(dcfg, 3, V), {"params": fuse_projections(tiny_params(dcfg, seed=2))}
+    else:
+        hcfg = MedusaConfig(num_heads=3, hidden_size=cfg.hidden_size, vocab_size=V)
+        heads = init_heads(hcfg, jax.random.PRNGKey(0), scale=0.5)
+        tree = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0))
+        drafter, dparams = MedusaDrafter(hcfg, tree), draft_params(hcfg, heads, params)
+    state = run_spec(params, cfg, dparams, drafter, buckets, prompts, sampling)
+    spec, _ = outputs(state.dec)
+    assert spec == plain
+    assert int(np.asarray(state.stats.verify_steps).sum()) > 0

@@ -9,31 +9,18 @@ import pytest
 
 import spec_helpers as sh
 from helpers import fresh_cache, tiny_config, tiny_params
-from specjax.drafters.draft_model import DraftModelDrafter
-from specjax.drafters.medusa import MedusaDrafter
-from specjax.heads.medusa import MedusaConfig, draft_params, init_heads
 from specjax.kernels import cpu_attention as ca
 from specjax.kernels import cpu_build as cb
 from specjax.models.llama import forward, fuse_projections, prefix_tree_attention
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    if not cb.available():
-        pytest.skip(f"kernel unavailable here: {cb.unavailable_reason()}")
+pytestmark = [pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel"),
+              pytest.mark.skipif(not cb.available(), reason=f"kernel unavailable here: {cb.unavailable_reason()}")]
 
 
 @pytest.fixture
-def mode(monkeypatch):
-    """Sets SPECJAX_CPU_ATTENTION for one test and drops every traced function before and after, since the
-    choice is made at trace time."""
-    def set_mode(value: str):
-        monkeypatch.setenv(ca.ENV_MODE, value)
-        jax.clear_caches()
-    yield set_mode
-    jax.clear_caches()
+def mode(kernel_policy):
+    """Sets SPECJAX_CPU_ATTENTION for one test (see conftest.kernel_policy)."""
+    return lambda value: kernel_policy(ca.ENV_MODE, value)
 
 
 def _inputs(B, T, Hq, Hkv, S, D, lengths, cache_dtype=jnp.float32, tree=True, seed=0):
@@ -199,22 +186,4 @@ def test_greedy_speculation_equals_plain_through_the_kernel(mode, method):
     # Every attention of the target and the draft model (prefill, one-token steps, chain and tree verify blocks)
     # runs in the kernel; XLA's attention is not traced at all.
     mode("kernel")
-    V = 96
-    cfg = sh.tiny_config(V)
-    params = fuse_projections(sh.tiny_params(cfg, seed=1))
-    prompts = [[3, 9, 27, 81, 50, 11], [7, 7, 8]]
-    buckets = sh.tiny_buckets(2, max_new=20)
-    sampling = sh.make_sampling(2, max_new=20)
-    plain, _ = sh.outputs(sh.run_plain(params, cfg, buckets, prompts, sampling))
-    if method == "draft":
-        dcfg = sh.tiny_config(V, num_layers=1)
-        drafter, dparams = DraftModelDrafter(dcfg, 3, V), {"params": fuse_projections(sh.tiny_params(dcfg, seed=2))}
-    else:
-        hcfg = MedusaConfig(num_heads=3, hidden_size=cfg.hidden_size, vocab_size=V)
-        heads = init_heads(hcfg, jax.random.PRNGKey(0), scale=0.5)
-        tree = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0))
-        drafter, dparams = MedusaDrafter(hcfg, tree), draft_params(hcfg, heads, params)
-    state = sh.run_spec(params, cfg, dparams, drafter, buckets, prompts, sampling)
-    spec, _ = sh.outputs(state.dec)
-    assert spec == plain
-    assert int(np.asarray(state.stats.verify_steps).sum()) > 0
+    sh.assert_greedy_speculation_equals_plain(method)

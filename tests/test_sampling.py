@@ -286,3 +286,19 @@ def test_two_stage_top_k_never_sorts_a_whole_vocabulary_row():
     # pinned jaxlib (should a newer XLA stop doing so, this line is what to revisit, not the helper).
     if jax.default_backend() == "cpu":
         assert 49152 in _sort_sizes(_stored_top_k_loop(jax.lax.top_k))
+
+
+def test_plain_decoding_greedy_shortcut_equals_the_sampled_path():
+    # When every row is greedy the decode step takes the argmax directly; a greedy row next to a sampled one goes
+    # through process_logits + sample. Both must give the same tokens, and the sampled row must still sample.
+    import spec_helpers as sh
+
+    cfg = sh.tiny_config(96)
+    params = sh.tiny_params(cfg, seed=3)
+    prompts = [[3, 9, 27, 81, 50, 11], [7, 7, 8]]
+    buckets = sh.tiny_buckets(2, max_new=24)
+    all_greedy, _ = sh.outputs(sh.run_plain(params, cfg, buckets, prompts, sh.make_sampling(2, max_new=24)))
+    mixed_sampling = sh.make_sampling(2, temperature=[0.0, 1.0], seed=[0, 5], max_new=24)
+    mixed, _ = sh.outputs(sh.run_plain(params, cfg, buckets, prompts, mixed_sampling))
+    assert mixed[0] == all_greedy[0]
+    assert mixed[1] != all_greedy[1], "the sampled row decoded greedily"
