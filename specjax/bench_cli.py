@@ -91,11 +91,17 @@ def _run_peers(args, prompts, results, checkpoint=None) -> None:
 
 
 def _methods(names: list[str]) -> list[tuple[str, object, str]]:
-    """(label, SpeculativeConfig or None, name as given), plain first; labels made unique."""
+    """(label, SpeculativeConfig or None, name as given), plain first; labels made unique.
+
+    The first plain runs first: it is the baseline of every speedup and greedy check. A later plain in `names`
+    keeps its place and runs again (label plain#2, ...): its "speedup" is how far this machine drifted between the
+    two plain runs, the noise level of the methods measured in between."""
     methods = [(*bench.method_from_name(n), n) for n in names]
-    # plain runs first and once: it is the baseline of every speedup and greedy check
-    plain = [m for m in methods if m[0] == "plain"][:1] or [("plain", None, "plain")]
-    methods = plain + [m for m in methods if m[0] != "plain"]
+    first = next((m for m in methods if m[0] == "plain"), ("plain", None, "plain"))
+    rest = list(methods)
+    if first in rest:
+        rest.remove(first)
+    methods = [first] + rest
     seen: dict[str, int] = {}
     out = []
     for label, spec, name in methods:

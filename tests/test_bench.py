@@ -299,6 +299,14 @@ def test_bad_counts_are_refused_before_any_work(tmp_path, capsys, flag, value):
     assert f"argument {flag}" in capsys.readouterr().err
 
 
+def test_plain_runs_first_and_a_later_plain_runs_again_as_a_drift_check():
+    from specjax.bench_cli import _methods
+
+    labels = [m[0] for m in _methods(["ngram", "plain", "medusa", "plain"])]
+    assert labels == ["plain", "ngram(k=4)", "medusa(15 nodes)", "plain#2"]
+    assert [m[0] for m in _methods(["ngram"])] == ["plain", "ngram(k=4)"]
+
+
 def test_tree_methods_are_labelled_by_their_shape():
     """Tree and chain forms of one head get distinct labels naming the shape (side-by-side tables)."""
     assert bench.method_from_name("eagle3")[0] == "eagle3(tree 4x4, 12 nodes)"
