@@ -25,6 +25,8 @@ The choice is made when a function is traced, so set the variable before the fir
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,11 +113,34 @@ def _ffi(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale):
         tree_mask, scale=np.float32(scale))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _kernel(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale):
+    return _ffi(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale)
+
+
+def _kernel_fwd(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale):
+    return _ffi(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale), (
+        q, k_cache, v_cache, k_new, v_new, lengths, tree_mask)
+
+
+def _kernel_bwd(scale, res, dy):
+    # Gradients through the reference: training (a draft model, a head whose loss passes through the target's
+    # forward) differentiates the model's attention; the kernel is built for the forward of decoding only.
+    q, k_cache, v_cache, k_new, v_new, lengths, tree_mask = res
+    ref = lambda *x: prefix_attention_reference(*x, lengths, tree_mask, scale=scale)  # noqa: E731
+    _, pullback = jax.vjp(ref, q, k_cache, v_cache, k_new, v_new)
+    # lengths and tree_mask are integer and bool: no cotangents.
+    return (*pullback(dy.astype(jnp.float32)), None, None)
+
+
+_kernel.defvjp(_kernel_fwd, _kernel_bwd)
+
+
 def _prefix_attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale):
     validate_prefix_attention_inputs(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask)
     if not cpu_build.available():
         raise KernelBuildError(f"the CPU attention kernel is unavailable: {cpu_build.unavailable_reason()}")
-    return _ffi(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale)
+    return _kernel(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale)
 
 
 prefix_attention = jax.jit(_prefix_attention, static_argnames=("scale",))
@@ -150,7 +175,7 @@ def attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, *, scale: f
     `fallback(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale)`. Not jitted (called inside jitted
     forwards)."""
     if use_kernel(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask):
-        return _ffi(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale).astype(q.dtype)
+        return _kernel(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale).astype(q.dtype)
     return fallback(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale)
 
 

@@ -181,6 +181,41 @@ def test_model_forward_through_the_kernel(mode, dtype, tol):
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_through_the_kernel_match_the_reference(cache_dtype):
+    # Training a draft model or a head differentiates through the target's forward, which calls the kernel.
+    args = _inputs(2, 5, 9, 3, 200, 40, [0, 131], cache_dtype)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, 9, 40)), jnp.float32)
+
+    def loss(fn):
+        return lambda *x: jnp.sum(w * fn(*x, *args[5:], scale=0.2))
+
+    got = jax.jit(jax.grad(loss(ca.prefix_attention), argnums=range(5)))(*args[:5])
+    want = jax.grad(loss(ca.prefix_attention_reference), argnums=range(5))(*args[:5])
+    for g, r, a in zip(got, want, args):
+        assert g.dtype == a.dtype and float(jnp.abs(r.astype(jnp.float32)).max()) > 0
+        tol = 2e-4 if a.dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=tol, atol=tol)
+
+
+def test_model_gradient_through_the_kernel(mode):
+    cfg = tiny_config()
+    params = tiny_params(cfg)
+    tokens = jnp.asarray([[5, 17, 99, 3, 250, 42, 7]], jnp.int32)
+    pos = jnp.arange(7, dtype=jnp.int32)[None]
+
+    def grads():
+        def loss(p):
+            return jax.nn.log_softmax(forward(p, cfg, tokens, pos, fresh_cache(cfg, 1, 16)).logits)[0, :-1, 3].sum()
+        return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
+
+    mode("xla")
+    want = grads()
+    mode("kernel")
+    for g, w in zip(grads(), want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-3, atol=2e-4)
+
+
 @pytest.mark.parametrize("method", ["draft", "tree"])
 def test_greedy_speculation_equals_plain_through_the_kernel(mode, method):
     # Every attention of the target and the draft model (prefill, one-token steps, chain and tree verify blocks)
