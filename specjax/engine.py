@@ -216,9 +216,17 @@ def decode_step_features(params: dict, config: LlamaConfig, state: DecodeState, 
                          allow_cond: bool = True) -> tuple[DecodeState, jax.Array | None]:
     """`decode_step` that also returns the target features of the decoded token ([B, 1, F], None without
     `features`): a feature drafter backed off to plain decoding still needs them for its next proposal."""
+    return decode_step_deferred(params, config, state, sampling, attention_fn, features, allow_cond, True)[:2]
+
+
+def decode_step_deferred(params: dict, config: LlamaConfig, state: DecodeState, sampling: SamplingArrays,
+                         attention_fn=None, features: tuple = (), allow_cond: bool = True, write_cache: bool = False):
+    """`decode_step_features` that also returns the decoded token's K/V, `forward`'s new_kv (each [B, 1, Hkv, D]),
+    and with write_cache=False leaves them out of the cache for the caller to write at the old lengths (the
+    returned state's lengths already count the token). Pure, not jitted."""
     cache = state.cache
     out = forward(params, config, state.last_token[:, None], cache.lengths[:, None], cache, attention_fn=attention_fn,
-                  hidden_layers=feature_layers(features))
+                  hidden_layers=feature_layers(features), write_cache=write_cache)
     def sampled(logits):  # [B, V] -> [B]
         probs = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p, allow_cond=allow_cond)
         return sample(probs, uniforms(sampling.seed, state.step, ())).astype(jnp.int32)
@@ -237,7 +245,7 @@ def decode_step_features(params: dict, config: LlamaConfig, state: DecodeState, 
     cache = out.cache._replace(lengths=cache.lengths + running.astype(jnp.int32))
     state = state._replace(cache=cache, step=state.step + running.astype(jnp.int32))
     feats = target_features(out, features) if features else None
-    return emit(state, tok[:, None], jnp.ones_like(tok), sampling), feats
+    return emit(state, tok[:, None], jnp.ones_like(tok), sampling), feats, out.new_kv
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention_fn"), donate_argnames=("state",))

@@ -1,4 +1,4 @@
-"""Fixed-capacity KV cache pytree: writes at per-sequence offsets and static-shape compaction.
+"""Fixed-capacity KV cache pytree: writes at per-sequence offsets, and the accepted path of a verified tree written in depth order.
 
 Capacity is a shape-setting value (allocated once for the worst case of a request bucket); per-sequence
 lengths are data. One array per layer (not one stacked array): the forward is unrolled over layers, and
@@ -56,19 +56,15 @@ def write_kv(ck, cv, k_new, v_new, lengths):
     return ck, cv
 
 
-def compact(cache: KVCache, src_nodes: jax.Array, num_keep: jax.Array) -> KVCache:
-    """Move the accepted path of a verified tree into place and advance the lengths.
+def write_path(cache: KVCache, new_kv: tuple, base: jax.Array) -> KVCache:
+    """Write P entries per sequence and layer at slots [base, base + P) (`write_kv` for every layer); the lengths
+    are left as they are. new_kv: (k, v), each a tuple over layers of [B, P, Hkv, D]; base [B]."""
+    ks, vs = zip(*(write_kv(ck, cv, k, v, base) for ck, cv, k, v in zip(cache.k, cache.v, *new_kv)))
+    return cache._replace(k=tuple(ks), v=tuple(vs))
 
-    The tree's N nodes were written at slots [lengths, lengths + N) in node order. src_nodes [B, P] lists,
-    in depth order, the node index that must end up at slot lengths + j (node 0, the root, is always first);
-    num_keep [B] is how many of those P entries become committed. Fixed shapes: all P entries are moved, those
-    past num_keep land beyond the new length where they are free slots again.
-    """
-    B, S = cache.k[0].shape[0], cache.capacity
-    P = src_nodes.shape[1]
-    b = jnp.arange(B)[:, None]
-    src = jnp.clip(cache.lengths[:, None] + src_nodes, 0, S - 1)  # [B, P]
-    dst = cache.lengths[:, None] + jnp.arange(P)[None, :]
-    move = lambda a: a.at[b, :, dst].set(a[b, :, src], mode="drop")  # [B, P, Hkv, D] views of [B, Hkv, S, D]
-    return KVCache(tuple(move(a) for a in cache.k), tuple(move(a) for a in cache.v),
-                   cache.lengths + num_keep.astype(jnp.int32))
+
+def gather_path(new_kv: tuple, src_nodes: jax.Array) -> tuple:
+    """The entries of the accepted path, in depth order: new_kv as `forward` returns it (each [B, N, Hkv, D]),
+    src_nodes [B, P] node indices -> the same tuples of [B, P, Hkv, D]."""
+    take = lambda a: jnp.take_along_axis(a, src_nodes[:, :, None, None], axis=1)  # noqa: E731
+    return tuple(tuple(take(a) for a in layers) for layers in new_kv)

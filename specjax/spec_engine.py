@@ -1,4 +1,4 @@
-"""The speculative engine: draft -> verify (one target forward over every proposed node) -> accept -> compact.
+"""The speculative engine: draft -> verify (one target forward over every proposed node) -> accept -> write the accepted K/V.
 
 One pure step function, `spec_step`, shared by every drafter:
   1. the drafter proposes a tree (a chain is a one-branch tree) whose root is the last emitted token;
@@ -6,7 +6,7 @@ One pure step function, `spec_step`, shared by every drafter:
      ancestor mask and positions length + depth(node);
   3. the shared acceptance sampler (`specjax.acceptance`) walks the tree with the target's processed
      distributions, giving the accepted path and one more token (correction or bonus);
-  4. the accepted path's K/V move into place (`kv_cache.compact`), the tokens are emitted with exact stop and
+  4. the accepted path's K/V go into place (`kv_cache.write_path`), the tokens are emitted with exact stop and
      max_new_tokens handling, and the per-position acceptance counters advance.
 
 `spec_loop` runs the step in a `lax.while_loop` on device (drafters that are JAX functions); host-side drafters
@@ -24,9 +24,9 @@ import numpy as np
 
 from specjax import acceptance
 from specjax.drafters.base import DraftContext, Proposal
-from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step_features, emit, feature_layers,
+from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step_deferred, emit, feature_layers,
                             prefill_core, target_features)
-from specjax.kv_cache import compact
+from specjax.kv_cache import gather_path, write_path
 from specjax.models.llama import LlamaConfig, forward
 from specjax.sampling import SamplingArrays, process_logits, uniforms
 from specjax.tree import TreeSpec, ancestor_mask_from_parents, chain
@@ -171,6 +171,23 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spec
     features: target features the drafter reads (stored in state.hidden for the root and accepted nodes).
     allow_cond: False under compile policies without `lax.cond` (see `process_logits`).
     """
+    state, result, pending = _verify_accept(params, config, tree, mode, state, proposal, sampling, attention_fn,
+                                            features, allow_cond)
+    return _write_pending(state, pending), result
+
+
+def _write_pending(state: SpecState, pending) -> SpecState:
+    new_kv, base = pending
+    return state._replace(dec=state.dec._replace(cache=write_path(state.dec.cache, new_kv, base)))
+
+
+def _verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: SpecState, proposal: Proposal,
+                   sampling: SamplingArrays, attention_fn, features: tuple, allow_cond: bool):
+    """`verify_accept` with the accepted path's K/V not yet in the cache: returns (state, result, pending), pending
+    = (K/V of the root and the accepted path [B, D+1, Hkv, D] per layer, base [B]) for `_write_pending`; the
+    state's lengths already count the accepted tokens. `spec_step` writes after its verify-or-plain `lax.cond`:
+    written inside a branch, the cache was copied whole at every verify step (XLA gives each branch its own
+    operand tuple, and a buffer in both could be updated in place by only one of them)."""
     dec = state.dec
     cache = dec.cache
     B, N = proposal.tokens.shape
@@ -183,8 +200,10 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spec
     eye = jnp.eye(N, dtype=bool)[None]
     tree_mask = (tree_mask & proposal.valid[:, None, :]) | eye
     positions = cache.lengths[:, None] + depth
+    # Other attention backends read the new nodes from the cache: they get them written here, and the accepted
+    # path is written again, in order, by `_write_pending`.
     out = forward(params, config, proposal.tokens, positions, cache, tree_mask, attention_fn=attention_fn,
-                  hidden_layers=feature_layers(features))
+                  hidden_layers=feature_layers(features), write_cache=attention_fn is not None)
 
     def general(logits):
         p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p,
@@ -206,7 +225,9 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spec
     src = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), path], axis=1)
     n_acc = result.num_accepted
     keep = jnp.where(running, 1 + n_acc, 0)
-    cache = compact(out.cache, src, keep)
+    base = cache.lengths
+    pending = (gather_path(out.new_kv, src), base)
+    cache = out.cache._replace(lengths=base + keep.astype(jnp.int32))
     run_tokens = jnp.concatenate([jnp.take_along_axis(proposal.tokens, path, axis=1), result.next_token[:, None]], axis=1)
     # emit needs the tokens in order with the correction/bonus right after the last accepted one.
     j = jnp.arange(D + 1)[None, :]
@@ -238,7 +259,7 @@ def verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spec
     if features:
         feats = target_features(out, features)  # [B, N, F]
         hidden = (jnp.take_along_axis(feats, src[:, :, None], axis=1), 1 + n_acc)
-    return state._replace(dec=dec, history=history, stats=stats, hidden=hidden), result
+    return state._replace(dec=dec, history=history, stats=stats, hidden=hidden), result, pending
 
 
 def plain_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
@@ -246,10 +267,19 @@ def plain_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, 
     """One plain decode step inside a speculative generation (nothing verified): the drafter observes it (unless
     `observe` is False: the caller already let it, see `spec_step`), the history and the features the drafter
     reads advance. Pure, not jitted."""
+    return _write_pending(*_plain_step(params, config, dparams, drafter, state, sampling, attention_fn, observe))
+
+
+def _plain_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
+                attention_fn, observe: bool):
+    """`plain_step` with the token's K/V not yet in the cache: (state, pending) as `_verify_accept` gives them,
+    pending's K/V [B, 1, Hkv, D] per layer."""
     old_new = state.dec.num_new
+    base = state.dec.cache.lengths
     if observe:
         state = state._replace(dstate=drafter.observe_plain(dparams, state.dstate, context(state, sampling)))
-    dec, feats = decode_step_features(params, config, state.dec, sampling, attention_fn, drafter.features)
+    dec, feats, new_kv = decode_step_deferred(params, config, state.dec, sampling, attention_fn, drafter.features,
+                                              write_cache=attention_fn is not None)
     r = (state.dec.finish == FINISH_RUNNING).astype(jnp.int32)
     stats = state.stats._replace(plain_steps=state.stats.plain_steps + r)
     hidden = state.hidden
@@ -259,7 +289,7 @@ def plain_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, 
         hidden = (jnp.concatenate([feats.astype(hidden[0].dtype), pad], axis=1), jnp.ones_like(hidden[1]))
     return state._replace(dec=dec, history=_write_history(state.history, state.prompt_lens, old_new, dec),
                           stats=stats, idle=state.idle + 1, hidden=hidden,
-                          counts=state.counts + jnp.array([1, 0], jnp.int32))
+                          counts=state.counts + jnp.array([1, 0], jnp.int32)), (new_kv, base)
 
 
 def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
@@ -304,25 +334,33 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
     state = state._replace(dstate=dstate)
     had = jnp.any(proposal.valid[:, 1:], axis=1) & running
 
+    P = drafter.tree.max_depth + 1
+
     def plain(state):
         # Observed already: by `no_draft`, or by `propose`, which writes whatever `observe_plain` would (the
-        # Drafter contract) when it ran and proposed nothing.
-        return plain_step(params, config, dparams, drafter, state, sampling, attention_fn, observe=False)
+        # Drafter contract) when it ran and proposed nothing. Its one token's K/V, padded to the verify's P
+        # entries: the padding lands in free slots past the new length.
+        new, (new_kv, base) = _plain_step(params, config, dparams, drafter, state, sampling, attention_fn,
+                                          observe=False)
+        pad = lambda a: jnp.pad(a, ((0, 0), (0, P - 1), (0, 0), (0, 0)))  # noqa: E731
+        return new, (jax.tree_util.tree_map(pad, new_kv), base)
 
     def verify(state):
         before = state.stats.accepted
-        new, result = verify_accept(params, config, drafter.tree, drafter.mode, state, proposal, sampling,
-                                    attention_fn, drafter.features, allow_cond)
+        new, result, pending = _verify_accept(params, config, drafter.tree, drafter.mode, state, proposal,
+                                              sampling, attention_fn, drafter.features, allow_cond)
         new = new._replace(dstate=drafter.update(dparams, new.dstate, ctx, result), counts=state.counts + 1)
-        if adaptive is None:
-            return new
-        got = (new.stats.accepted - before).astype(jnp.float32)
-        gain, idle, gap_new = backoff_update(adaptive, floor, state.gain, g, state.idle, gap, want & running, got)
-        return new._replace(gain=gain, idle=idle, gap=gap_new)
+        if adaptive is not None:
+            got = (new.stats.accepted - before).astype(jnp.float32)
+            gain, idle, gap_new = backoff_update(adaptive, floor, state.gain, g, state.idle, gap, want & running,
+                                                 got)
+            new = new._replace(gain=gain, idle=idle, gap=gap_new)
+        return new, pending
 
-    if not allow_cond:
-        return verify(state)
-    return jax.lax.cond(jnp.any(had), verify, plain, state)
+    # Both branches leave the target cache alone and hand back the K/V to write, written once after the cond:
+    # see `_verify_accept`.
+    state, pending = verify(state) if not allow_cond else jax.lax.cond(jnp.any(had), verify, plain, state)
+    return _write_pending(state, pending)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn", "allow_cond", "adaptive"),

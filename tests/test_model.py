@@ -8,7 +8,7 @@ What is proven:
 - a tree verify forward (ancestor-or-self mask, positions = prefix length + depth) gives every node the
   logits of the plain forward of prefix + its root-to-node path, for a different tree in each row;
 - the dense `mask` override, `dense_mask`, `hidden_layers`, `logit_positions`, bfloat16, and
-  `kv_cache.compact` / `write_kv` on hand-checked examples.
+  `kv_cache.write_kv` / `gather_path` / `write_path` on hand-checked examples.
 Tolerance: max abs logit error 1e-4 against logits of magnitude ~5 (tiny_params is scaled up on purpose).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from helpers import (ancestor_mask, fresh_cache, full_logits, jit_forward, llama3_config, numpy_forward,
                      numpy_inv_freq, tiny_config, tiny_params, tree_paths)
 from specjax.kernels.reference import tree_attention_reference
-from specjax.kv_cache import KVCache, compact, write_kv
+from specjax.kv_cache import KVCache, gather_path, write_kv, write_path
 from specjax.models.llama import cast_params, dense_mask, fuse_projections, rms_norm, rope_inv_freq
 
 TOL = 1e-4
@@ -321,25 +321,20 @@ def _labelled_cache(lengths, S=10):
     return KVCache((jnp.asarray(k),), (jnp.asarray(-k),), jnp.asarray(lengths, jnp.int32))
 
 
-def test_compact_moves_accepted_path():
-    # Row 0: prefix of 3, tree nodes at slots 3..8; accepted path = nodes 0, 2, 5 -> keep all three.
-    # Row 1: prefix of 5, nodes at slots 5..9; path nodes 0, 1, 4 listed but only 2 accepted.
-    cache = _labelled_cache([3, 5])
-    out = compact(cache, jnp.asarray([[0, 2, 5], [0, 1, 4]], jnp.int32), jnp.asarray([3, 2], jnp.int32))
+def test_accepted_path_is_gathered_and_written_in_depth_order():
+    # Row 0: prefix of 3, six tree nodes, accepted path = nodes 0, 2, 5. Row 1: prefix of 9 in a 10-slot cache,
+    # path nodes 0, 1, 4: only the first fits, the rest is dropped. Node n of row b carries 1000 * b + 10 * n + 7.
+    cache = _labelled_cache([3, 9])
+    nodes = (1000 * np.arange(2)[:, None] + 10 * np.arange(6)[None, :] + 7).astype(np.float32)[:, :, None, None]
+    new_kv = ((jnp.asarray(nodes),), (jnp.asarray(-nodes),))  # one layer, [B, N, Hkv, D]
+    path = gather_path(new_kv, jnp.asarray([[0, 2, 5], [0, 1, 4]], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(path[0][0])[:, :, 0, 0], [[7, 27, 57], [1007, 1017, 1047]])
+    out = write_path(cache, path, cache.lengths)
     k = np.asarray(out.k[0])[:, 0, :, 0]
-    np.testing.assert_array_equal(k[0], [0, 1, 2, 3, 5, 8, 6, 7, 8, 9])
-    np.testing.assert_array_equal(k[1], [100, 101, 102, 103, 104, 105, 106, 109, 108, 109])
+    np.testing.assert_array_equal(k[0], [0, 1, 2, 7, 27, 57, 6, 7, 8, 9])
+    np.testing.assert_array_equal(k[1], [100, 101, 102, 103, 104, 105, 106, 107, 108, 1007])
     np.testing.assert_array_equal(np.asarray(out.v[0])[:, 0, :, 0], -k)
-    np.testing.assert_array_equal(np.asarray(out.lengths), [6, 7])
-
-
-def test_compact_root_only_keeps_cache():
-    cache = _labelled_cache([4, 0])
-    out = compact(cache, jnp.asarray([[0, 3], [0, 1]], jnp.int32), jnp.asarray([1, 1], jnp.int32))
-    k = np.asarray(out.k[0])[:, 0, :, 0]
-    np.testing.assert_array_equal(k[0], [0, 1, 2, 3, 4, 7, 6, 7, 8, 9])
-    np.testing.assert_array_equal(k[1], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109])
-    np.testing.assert_array_equal(np.asarray(out.lengths), [5, 1])
+    np.testing.assert_array_equal(np.asarray(out.lengths), [3, 9])  # the caller advances the lengths
 
 
 def test_write_kv_offsets_and_drop_past_capacity():

@@ -71,7 +71,9 @@ class ForwardOutput(NamedTuple):
     logits: jax.Array  # [B, K, V] float32 (K = T, or the number of logit_positions)
     hidden: jax.Array  # [B, T, H] final hidden state after the last norm (what the LM head reads)
     layer_hidden: jax.Array | None  # [len(hidden_layers), B, T, H] residual stream after the requested layers
-    cache: KVCache
+    cache: KVCache  # with the T new entries written at [lengths, lengths + T), unless forward(write_cache=False)
+    # the T new entries of every layer: (k, v), each a tuple of [B, T, Hkv, D], for callers that write them later
+    new_kv: tuple | None = None
 
 
 def param_axes(config: LlamaConfig) -> dict:
@@ -278,6 +280,7 @@ def forward(
     logit_positions: jax.Array | None = None,
     attention_fn: AttentionFn | None = None,
     compute_logits: bool = True,
+    write_cache: bool = True,
 ) -> ForwardOutput:
     """Run the decoder on T new tokens per sequence.
 
@@ -289,6 +292,9 @@ def forward(
     logit_positions [B, K] int32: compute logits only at these of the T positions (prefill needs one).
     attention_fn: verify-attention implementation (q, k, v, lengths, tree_mask, scale=) from the backend
     registry; None = the XLA reference. Not jitted here: callers jit their entry points.
+    write_cache: False leaves the cache as it is (the default attention path reads only its committed slots and
+    takes the new tokens apart) and the caller writes `new_kv` where it wants them; see `spec_engine.spec_step`,
+    where writing inside a `lax.cond` branch made XLA copy the whole cache.
     """
     B, T = tokens.shape
     c = config
@@ -296,6 +302,9 @@ def forward(
         tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
     if mask is not None and attention_fn is not None:
         raise ValueError("a dense `mask` works only with the reference attention (attention_fn=None)")
+    if not write_cache and (mask is not None or attention_fn is not None):
+        raise ValueError("write_cache=False works only with the default attention (no `mask`, no attention_fn): "
+                         "the others read the new tokens from the cache")
     inv_freq = rope_inv_freq(c)
     scale = 1.0 / math.sqrt(c.head_dim)
     dtype = params["embed"].dtype
@@ -303,6 +312,7 @@ def forward(
 
     wanted = {h % c.num_layers for h in hidden_layers}
     new_k, new_v, kept = [], [], {}
+    block_k, block_v = [], []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
         fused = "wqkv_t" in lp
@@ -319,13 +329,20 @@ def forward(
         q = apply_rope(q.reshape(B, T, c.num_heads, c.head_dim), positions, inv_freq)
         k = apply_rope(k.reshape(B, T, c.num_kv_heads, c.head_dim), positions, inv_freq)
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
-        if mask is None and attention_fn is None:
-            # The C++ kernel on the CPU platform for decode and verify blocks (specjax.kernels.cpu_attention).
-            a = cpu_attention.attention(q, cache.k[i], cache.v[i], k, v, cache.lengths, tree_mask, scale=scale,
-                                        fallback=prefix_tree_attention)
+        block_k.append(k)
+        block_v.append(v)
+        if write_cache:
             layer_k, layer_v = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths)
         else:
-            layer_k, layer_v = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths)
+            layer_k, layer_v = cache.k[i], cache.v[i]
+        if mask is None and attention_fn is None:
+            # The C++ kernel on the CPU platform for decode and verify blocks (specjax.kernels.cpu_attention).
+            # It reads only the committed slots below `lengths`, which the write leaves alone; it reads them after
+            # the write because an operation that read the old buffer while the write updated it in place made XLA
+            # copy the cache layer.
+            a = cpu_attention.attention(q, layer_k, layer_v, k, v, cache.lengths, tree_mask, scale=scale,
+                                        fallback=prefix_tree_attention)
+        else:
             if attention_fn is None:
                 a = reference_attention(q, layer_k, layer_v, mask, scale)
             else:
@@ -349,7 +366,8 @@ def forward(
     if compute_logits:
         xs = x if logit_positions is None else jnp.take_along_axis(x, logit_positions[..., None], axis=1)
         logits = lm_head(params, xs)
-    return ForwardOutput(logits, x, layer_hidden, cache._replace(k=tuple(new_k), v=tuple(new_v)))
+    return ForwardOutput(logits, x, layer_hidden, cache._replace(k=tuple(new_k), v=tuple(new_v)),
+                         (tuple(block_k), tuple(block_v)))
 
 
 def lm_head(params: dict, x: jax.Array) -> jax.Array:
