@@ -116,9 +116,10 @@ def adaptive_rule(drafter, spec: SpeculativeConfig):
     free lookup. None when the config turns adaptation off."""
     if not spec.adaptive:
         return None
-    # Thresholds from this project's CPU measurements: verifying gamma + 1 = 5 tokens costs ~1.3-1.5 plain
-    # steps at batch 1, so a lookup must average ~0.5 accepted tokens per step to pay off; a draft model also
-    # pays gamma draft forwards.
+    # Defaults where calibration has not measured this hardware yet, from this project's CPU measurements: with the
+    # CPU kernels a verify step of gamma + 1 = 5 tokens costs 0.96-1.20 plain steps inside the loop at batch 1
+    # (reports/spec_bench_cpu/ngram_gamma/), so a lookup pays from ~0.2 accepted tokens per step (0.25 leaves a
+    # margin); a draft model also pays gamma draft forwards.
     if isinstance(drafter, DraftModelDrafter):
         return spec_engine.Adaptive(min_gain=0.9)
     if drafter.features:
@@ -126,7 +127,7 @@ def adaptive_rule(drafter, spec: SpeculativeConfig):
         # plain steps on this CPU, so they need more accepted tokens, and probe rarely once they backed off.
         return spec_engine.Adaptive(min_gain=max(0.9, 0.1 * drafter.tree.num_nodes), probe_every=64)
     # Lookups (n-gram, suffix): each request starts optimistic, with no gain carried over from the last one.
-    return spec_engine.Adaptive(min_gain=0.5, carry_prior=False)
+    return spec_engine.Adaptive(min_gain=0.25, carry_prior=False)
 
 
 def resolve_draft_path(model: str | None) -> str:
@@ -191,6 +192,7 @@ SUFFIX_GLOBAL_SEQS = 256  # earlier generations kept in the global suffix cache 
 
 NO_LIMIT = 2 ** 30
 CALIBRATION_STEPS = 6  # steps timed per kind (speculative, plain) on the first generation of a config
+CALIBRATION_MIN_VERIFY = 3  # verify steps a speculative chunk needs before its timing says anything
 
 
 def device_loop(llm, drafter, dparams, state, sampling, adaptive, key):
@@ -255,13 +257,19 @@ def _remember_gain(llm, key, stats) -> None:
         llm._drafters[_prior_key(key)] = float(np.sum(np.asarray(stats.accepted))) / verify
 
 
-def calibrate(run, state, steps: int = CALIBRATION_STEPS, rounds: int = 2, clock=time.perf_counter):
+def calibrate(run, state, steps: int = CALIBRATION_STEPS, rounds: int = 2, clock=time.perf_counter,
+              min_verify: int = CALIBRATION_MIN_VERIFY):
     """Measure the back-off break-even on this hardware from the generation's own first steps (they emit real
     tokens: both kinds of step are lossless). One warm-up step compiles; then `rounds` times, `steps`
     forced-speculative and `steps` forced-plain steps are timed, and each kind keeps its fastest round (the
     least disturbed by anything else running). A speculative step costs `ratio` plain steps and yields
     1 + gain tokens, so speculation pays while gain >= ratio - 1. Returns (state, break-even gain, or None when
-    the generation ended or never verified before there was enough to time).
+    the generation ended, or no round's speculative chunk verified at least `min_verify` steps: then the
+    rule's default stands and the next generation calibrates again).
+
+    A chunk's non-verify steps (lookup misses) are charged at the plain chunk's step cost, so with one verify
+    step among six the estimate is mostly the two chunks' timing noise: two processes on the same n-gram config
+    calibrated 0.0 and 0.41 that way, against 0.0-0.2 from chunks where every step verified.
 
     run(state, steps, min_gain) -> state runs the jitted loop (`min_gain` is traced: nothing recompiles);
     clock() -> seconds.
@@ -284,8 +292,9 @@ def calibrate(run, state, steps: int = CALIBRATION_STEPS, rounds: int = 2, clock
             break
         plain = t_plain / c_plain[0]
         per_plain.append(plain)
-        per_verify.append((t_spec - (c_spec[0] - c_spec[1]) * plain) / c_spec[1])
-    if not per_plain:
+        if c_spec[1] >= min_verify:
+            per_verify.append((t_spec - (c_spec[0] - c_spec[1]) * plain) / c_spec[1])
+    if not per_verify:
         return state, None
     return state, max(0.0, min(per_verify) / min(per_plain) - 1.0)
 

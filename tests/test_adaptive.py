@@ -83,6 +83,22 @@ def test_calibrate_clamps_cheap_verification_at_zero():
     assert floor == 0.0
 
 
+def test_calibrate_ignores_rounds_with_few_verify_steps():
+    """A speculative chunk with one or two verify steps among six times mostly noise: such a round gives no
+    estimate; a later round whose chunk verified enough does, and with none the result is None (the default
+    break-even stands)."""
+    few = {1, 2, 3, 4}  # the first timed speculative chunk (steps 1-6) verifies only steps 5 and 6
+    loop = FakeLoop(verify=0.09, plain=0.03, misses=few)
+    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
+    assert floor is None
+    loop = FakeLoop(verify=0.09, plain=0.03, misses=few)
+    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=2, clock=loop.clock)
+    assert floor == pytest.approx(2.0)  # from the second round, where all six steps verified
+    loop = FakeLoop(verify=0.09, plain=0.03, misses=few)
+    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock, min_verify=2)
+    assert floor == pytest.approx(2.0)
+
+
 def test_calibrate_gives_up_when_the_generation_ends():
     loop = FakeLoop(verify=0.09, plain=0.03, misses=set(), length=5)  # finished inside the speculative chunk
     _, floor = spec_api.calibrate(loop, start(), steps=6, clock=loop.clock)
