@@ -142,7 +142,13 @@ def resolve_draft_path(model: str | None) -> str:
     raise SpeculativeConfigError(f"draft model path {model!r} does not exist (also looked in {packaged})")
 
 
-def generate(llm, prompts, ids, params, spec: SpeculativeConfig, *, profile: bool = False):
+def generate(llm, prompts, ids, params, spec: SpeculativeConfig, *, profile: bool = False,
+             force_verify: bool = False):
+    """Speculative generation of `ids` (token lists, one per prompt) for `LLM.generate`. profile: step from the
+    host and time draft against verify. force_verify: every step of a device loop verifies, also where the
+    drafter found nothing (a lookup miss verifies the root alone; steps the back-off rule turns plain stay
+    plain); for timing verify steps (`tune`), not for serving: a miss then costs a verify instead of a plain
+    step. Greedy output is the same either way."""
     drafter, dparams = build_drafter(llm, spec)
     extra = drafter.tree.num_nodes
     for i, (t, sp) in enumerate(zip(ids, params)):
@@ -175,7 +181,7 @@ def generate(llm, prompts, ids, params, spec: SpeculativeConfig, *, profile: boo
         state, draft_time, verify_time = host_loop(llm, drafter, dparams, state, sampling, n, host,
                                                    None if profile else adaptive, key)
     else:
-        state = device_loop(llm, drafter, dparams, state, sampling, adaptive, key)
+        state = device_loop(llm, drafter, dparams, state, sampling, adaptive, key, force_verify)
     jax.block_until_ready(state.dec.num_new)
     total = time.perf_counter() - t0
     if host is not None:
@@ -195,17 +201,21 @@ CALIBRATION_STEPS = 6  # steps timed per kind (speculative, plain) on the first 
 CALIBRATION_MIN_VERIFY = 3  # verify steps a speculative chunk needs before its timing says anything
 
 
-def device_loop(llm, drafter, dparams, state, sampling, adaptive, key):
+def device_loop(llm, drafter, dparams, state, sampling, adaptive, key, force_verify: bool = False):
     """Run `spec_loop` to the end. With a back-off rule, the first generation of a (config, batch bucket)
-    calibrates its break-even on this hardware (`calibrate`); later ones reuse it from the LLM's cache."""
-    def run(state, steps: int, min_gain: float):
+    calibrates its break-even on this hardware (`calibrate`); later ones reuse it from the LLM's cache.
+    force_verify: every drafted step verifies, also where nothing was proposed (for timing verify steps, see
+    `tune`); steps the back-off rule turns plain stay plain."""
+    def run(state, steps: int, min_gain: float, force: bool = False):
         return spec_engine.spec_loop(llm.params, llm.config, dparams, drafter, state, sampling, jnp.int32(steps),
                                      attention_fn=llm._attention_fn, adaptive=adaptive,
-                                     min_gain=jnp.float32(min_gain))
+                                     min_gain=jnp.float32(min_gain), force_verify=jnp.bool_(force or force_verify))
 
     if adaptive is None:
+        # None (not False) when not forced: the loop compiled for ordinary generations stays the one used.
         return spec_engine.spec_loop(llm.params, llm.config, dparams, drafter, state, sampling,
-                                     jnp.int32(NO_LIMIT), attention_fn=llm._attention_fn)
+                                     jnp.int32(NO_LIMIT), attention_fn=llm._attention_fn,
+                                     force_verify=jnp.bool_(True) if force_verify else None)
     floor = llm._drafters.get(key)
     prior = llm._drafters.get(_prior_key(key)) if adaptive.carry_prior else None
     if prior is not None:
@@ -267,20 +277,22 @@ def calibrate(run, state, steps: int = CALIBRATION_STEPS, rounds: int = 2, clock
     the generation ended, or no round's speculative chunk verified at least `min_verify` steps: then the
     rule's default stands and the next generation calibrates again).
 
-    A chunk's non-verify steps (lookup misses) are charged at the plain chunk's step cost, so with one verify
-    step among six the estimate is mostly the two chunks' timing noise: two processes on the same n-gram config
-    calibrated 0.0 and 0.41 that way, against 0.0-0.2 from chunks where every step verified.
+    The speculative chunks run with `force_verify`: a lookup miss verifies the root alone, at a verify step's
+    cost, so every step of the chunk is a verify step. Without it a miss was a plain step charged at the plain
+    chunk's step cost, and with one verify step among six the estimate was mostly the two chunks' timing noise:
+    two processes on the same n-gram config calibrated 0.0 and 0.41 that way. A loop that cannot force (any
+    non-verify step left in the chunk) is still handled by that subtraction and by `min_verify`.
 
-    run(state, steps, min_gain) -> state runs the jitted loop (`min_gain` is traced: nothing recompiles);
-    clock() -> seconds.
+    run(state, steps, min_gain, force_verify) -> state runs the jitted loop (`min_gain` and `force_verify` are
+    traced: nothing recompiles); clock() -> seconds.
     """
     force_spec, force_plain = -1e9, 1e9
-    state = run(state, 1, force_spec)
+    state = run(state, 1, force_spec, True)
 
     def timed(state, k, g):
         c0 = np.asarray(state.counts).max(axis=0)
         t = clock()
-        state = run(state, k, g)
+        state = run(state, k, g, g == force_spec)
         c1 = np.asarray(state.counts).max(axis=0)  # waits for the loop
         return state, clock() - t, c1 - c0
 

@@ -294,7 +294,7 @@ def _plain_step(params, config: LlamaConfig, dparams, drafter, state: SpecState,
 
 def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
               attention_fn=None, allow_cond: bool = True, adaptive: Adaptive | None = None,
-              min_gain: jax.Array | None = None) -> SpecState:
+              min_gain: jax.Array | None = None, force_verify: jax.Array | None = None) -> SpecState:
     """One speculative step for every sequence. Pure, not jitted.
 
     allow_cond: decode one plain token instead of verifying when no sequence of the batch has anything to
@@ -302,6 +302,10 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
     `lax.cond` (Neuron), where masked proposals are verified instead (same tokens, more compute).
     adaptive: the per-sequence back-off rule, None = always speculate.
     min_gain: [] float32 break-even gain overriding `adaptive.min_gain` (traced: no recompile), or None.
+    force_verify: [] bool (traced), or None = False: take the verify branch even where nothing was proposed (a
+    lookup miss verifies the root alone, at a full verify's cost, and emits the target's own token). For timing
+    verify steps: a chunk of steps that all verify measures their cost without charging misses at a guessed
+    plain-step cost (`spec_api.calibrate`, `tune.measure_loop_costs`).
     """
     running = state.dec.finish == FINISH_RUNNING
     if adaptive is None:
@@ -333,6 +337,9 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
         proposal, dstate = draft(state)
     state = state._replace(dstate=dstate)
     had = jnp.any(proposal.valid[:, 1:], axis=1) & running
+    if force_verify is not None:
+        # Only where a proposal was made (its root is valid): a batch that backed off has observed a plain step.
+        had = had | (force_verify & running & proposal.valid[:, 0])
 
     P = drafter.tree.max_depth + 1
 
@@ -367,10 +374,12 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
                    donate_argnames=("state",))
 def spec_loop(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
               max_steps: jax.Array, attention_fn=None, allow_cond: bool = True,
-              adaptive: Adaptive | None = None, min_gain: jax.Array | None = None) -> SpecState:
+              adaptive: Adaptive | None = None, min_gain: jax.Array | None = None,
+              force_verify: jax.Array | None = None) -> SpecState:
     """Speculate until every sequence finished or `max_steps` (traced) steps ran: one `lax.while_loop`.
 
     min_gain: [] float32 traced break-even of the back-off rule (see `Adaptive`), or None for its default.
+    force_verify: [] bool traced, or None: every step verifies, also where nothing was proposed (see `spec_step`).
     Jitted; `state` is donated (target and draft KV caches are updated in place).
     """
     def cond(carry):
@@ -380,7 +389,7 @@ def spec_loop(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
     def body(carry):
         st, i = carry
         return spec_step(params, config, dparams, drafter, st, sampling, attention_fn, allow_cond, adaptive,
-                         min_gain), i + 1
+                         min_gain, force_verify), i + 1
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state

@@ -12,8 +12,8 @@ measurement run at the largest gamma: for a chain, truncating it to gamma' does 
 gamma' tokens are accepted, so one run gives the curve for every shorter gamma.
 
 Costs are timed inside the real generation loop, not in micro-benchmarks: a short generation at each setting (two
-prompts, speculation forced on) gives the seconds of one speculative step, draft and verify and acceptance
-together, and a plain generation the seconds of one plain step. A forward timed alone at a fixed context was
+prompts, speculation forced on, every step verifying even on a lookup miss) gives the seconds of one speculative
+step, draft and verify and acceptance together, and a plain generation the seconds of one plain step. A forward timed alone at a fixed context was
 noisy and up to 1.5x the cost of the same forward inside the compiled loop (reports/tune_cpu). Every timed
 generation runs after a warm-up that compiled every prompt bucket it meets, and each prompt keeps its fastest of
 `reps` runs.
@@ -95,14 +95,15 @@ def prompt_bucket(llm, prompt) -> int:
     return _pow2(len(llm.encode_prompt(prompt, True)), 16)
 
 
-def warm_up(llm, prompts: list, spec: SpeculativeConfig | None, sp: SamplingParams) -> None:
+def warm_up(llm, prompts: list, spec: SpeculativeConfig | None, sp: SamplingParams,
+            force_verify: bool = False) -> None:
     """Generate one prompt of every prompt bucket among `prompts`, so that timed runs compile nothing (a compile
     inside a timed run once made one setting look 2x faster than the rest: it alone had been warmed on all)."""
     seen = {}
     for p in prompts:
         seen.setdefault(prompt_bucket(llm, p), p)
     for p in seen.values():
-        llm.generate([p], sp, spec, chat=True)
+        _as_first_request(llm, p, sp, spec, force_verify)
 
 
 @dataclasses.dataclass
@@ -120,32 +121,40 @@ class Run:
         return self.tokens / self.decode_s if self.decode_s else 0.0
 
 
-def _as_first_request(llm, prompt, sp: SamplingParams, spec: SpeculativeConfig | None):
+def _as_first_request(llm, prompt, sp: SamplingParams, spec: SpeculativeConfig | None,
+                      force_verify: bool = False):
     """Generate `prompt` as a first request: no suffix index of earlier outputs, no back-off gain prior
     (`spec_api.learned_state`; the measured break-even stays). Tuning generates the same prompts many times, for
     several settings of one drafter: a later generation would otherwise find the prompt's answer in the suffix
-    index and its acceptance in the prior. The caller puts the LLM's own learned state back afterwards."""
+    index and its acceptance in the prior. The caller puts the LLM's own learned state back afterwards.
+    force_verify: every step of a speculative generation verifies (`spec_api.generate`)."""
+    from specjax import spec_api
     from specjax.spec_api import restore_learned
 
     restore_learned(llm, {})
-    return llm.generate([prompt], sp, spec, chat=True)[0]
+    if spec is None or not force_verify:
+        return llm.generate([prompt], sp, spec, chat=True)[0]
+    spec = SpeculativeConfig.from_user(spec)
+    return spec_api.generate(llm, [prompt], [llm.encode_prompt(prompt, True)], [sp], spec, force_verify=True)[0]
 
 
-def timed_runs(llm, prompts: list, specs: dict, sp: SamplingParams, reps: int = 2) -> dict:
+def timed_runs(llm, prompts: list, specs: dict, sp: SamplingParams, reps: int = 2,
+               force_verify: bool = False) -> dict:
     """{key: Run} for every {key: spec or None (plain)}: warm up each, then `reps` rounds, each generating every
     prompt with every setting in turn, keeping each (setting, prompt)'s fastest decode. The rounds interleave the
     settings, so a slow spell of the machine hits them all instead of one setting's whole run. Every generation
-    starts as a first request (`_as_first_request`)."""
+    starts as a first request (`_as_first_request`). force_verify: every speculative step verifies, also on a
+    lookup miss (for timing verify steps; the warm-up compiles that loop)."""
     from specjax.spec_api import learned_state, restore_learned
 
     saved = learned_state(llm)
     for spec in specs.values():
-        warm_up(llm, prompts, spec, sp)
+        warm_up(llm, prompts, spec, sp, force_verify)
     best: dict = {}
     for _ in range(max(reps, 1)):
         for key, spec in specs.items():
             for i, p in enumerate(prompts):
-                o = _as_first_request(llm, p, sp, spec)
+                o = _as_first_request(llm, p, sp, spec, force_verify)
                 t = o.metrics.total_time - o.metrics.time_to_first_token
                 if (key, i) not in best or t < best[key, i][0]:
                     best[key, i] = (t, o)
@@ -173,17 +182,21 @@ ADAPTIVE = "adaptive"  # key of the best speculative setting with back-off on, i
 def measure_loop_costs(llm, settings: dict[int, SpeculativeConfig], prompts: list, sp: SamplingParams,
                        reps: int = 2) -> Costs:
     """Seconds of one plain step and of one speculative step of every setting, timed inside the generation loop on
-    `prompts` (speculation forced on: back-off off). A run's plain steps (nothing proposed) are charged at the
-    plain step's cost; the rest of its time is its verify steps'."""
+    `prompts`, back-off off and every step verifying (`force_verify`: a lookup miss verifies the root alone, at a
+    verify step's cost). So a setting's time divides by its steps, all of them verify steps. Before, a lookup's
+    misses were plain steps charged at the plain run's step cost and the rest put on its few verify steps, whose
+    cost then carried the timing noise of the whole run (n-gram gamma 4: 1.46 plain steps, against 0.96-1.20
+    with every step verifying, reports/spec_bench_cpu/ngram_gamma). A loop that leaves plain steps anyway (a
+    host-side drafter's) still has them charged at the plain step's cost."""
     runs = timed_runs(llm, prompts, {PLAIN: None} | {k: dataclasses.replace(s, adaptive=False)
-                                                    for k, s in settings.items()}, sp, reps)
+                                                    for k, s in settings.items()}, sp, reps, force_verify=True)
     plain_s = runs[PLAIN].decode_s / max(runs[PLAIN].tokens, 1)
     step_s = {}
     for k in settings:
         r = runs[k]
         if r.verify_steps == 0:
-            raise TuneError(f"setting {k} proposed nothing on the cost prompts, so its step cost cannot be timed; "
-                            "pass prompts the drafter can continue (e.g. --limit with more prompts)")
+            raise TuneError(f"setting {k} verified no step on the cost prompts (each stopped at its first token?), "
+                            "so its step cost cannot be timed; pass longer generations (-n) or more prompts")
         step_s[k] = max(r.decode_s - r.plain_steps * plain_s, 0.0) / r.verify_steps
     return Costs(plain_s, step_s)
 

@@ -1,7 +1,8 @@
 """The back-off rule's break-even, measured on the hardware, and what it must not cost.
 
-* `spec_api.calibrate` turns timed speculative and plain steps into the break-even gain (ratio - 1), with
-  plain steps inside the speculative chunk (a lookup miss) taken out of the verify cost;
+* `spec_api.calibrate` turns timed speculative and plain steps into the break-even gain (ratio - 1); its
+  speculative chunks force every step to verify (a lookup miss too), and a loop that leaves plain steps in the
+  chunk has them taken out of the verify cost;
 * through `LLM.generate`, the calibration runs the one compiled speculative loop (the break-even is traced),
   is cached per (config, batch bucket), and the output still equals plain greedy output;
 * a repeat generation in the same bucket, with other sampling values, compiles nothing.
@@ -24,23 +25,27 @@ V = 96
 
 class FakeLoop:
     """Stands in for the jitted loop: each step is a verify (cost `verify`) unless it is forced plain or falls
-    in `misses` (a lookup miss, decoded plainly at cost `plain`); the clock advances by the cost."""
+    in `misses` (a lookup miss, decoded plainly at cost `plain`, unless the call forces verification and the
+    loop `can_force`); the clock advances by the cost."""
 
-    def __init__(self, verify: float, plain: float, misses: set[int], length: int = 10 ** 6):
+    def __init__(self, verify: float, plain: float, misses: set[int], length: int = 10 ** 6,
+                 can_force: bool = False):
         self.now, self.step = 0.0, 0
         self.verify, self.plain, self.misses, self.length = verify, plain, misses, length
-        self.calls = []
+        self.can_force = can_force
+        self.calls, self.forced = [], []
 
     def clock(self) -> float:
         return self.now
 
-    def __call__(self, state, steps: int, min_gain: float):
+    def __call__(self, state, steps: int, min_gain: float, force_verify: bool = False):
         self.calls.append((steps, min_gain))
+        self.forced.append(force_verify)
         counts = np.asarray(state.counts).copy()
         for _ in range(steps):
             if self.step >= self.length:
                 break
-            spec = min_gain < 0 and self.step not in self.misses
+            spec = min_gain < 0 and (self.step not in self.misses or (force_verify and self.can_force))
             self.now += self.verify if spec else self.plain
             counts += np.array([1, int(spec)])
             self.step += 1
@@ -67,14 +72,28 @@ def test_calibrate_keeps_the_fastest_round_of_each_kind():
     real_call = loop.__call__
     calls = iter(range(100))
 
-    def disturbed(state, steps, min_gain):
+    def disturbed(state, steps, min_gain, force_verify=False):
         slow = next(calls) == 1  # the first timed speculative chunk
         loop.verify, loop.plain = (0.18, 0.06) if slow else (0.09, 0.03)
-        return real_call(state, steps, min_gain)
+        return real_call(state, steps, min_gain, force_verify)
 
     _, floor = spec_api.calibrate(disturbed, start(), steps=6, rounds=2, clock=loop.clock)
     assert floor == pytest.approx(2.0)
     assert [s for s, _ in loop.calls] == [1, 6, 6, 6, 6]
+
+
+def test_calibrate_forces_verification_in_its_speculative_chunks():
+    """Lookup misses inside the speculative chunk verify too (the loop is told to force them), so a chunk where
+    the drafter found almost nothing still times six verify steps; the plain chunks are not forced."""
+    misses = {1, 2, 3, 4, 5}
+    loop = FakeLoop(verify=0.09, plain=0.03, misses=misses, can_force=True)
+    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
+    assert floor == pytest.approx(2.0)
+    assert loop.forced == [True, True, False]
+    # The same misses in a loop that cannot force leave one verify step in the chunk: no estimate.
+    loop = FakeLoop(verify=0.09, plain=0.03, misses=misses)
+    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
+    assert floor is None
 
 
 def test_calibrate_clamps_cheap_verification_at_zero():
@@ -242,3 +261,23 @@ def test_lookups_start_each_call_optimistic_whatever_the_last_call_gained():
     draft = SpeculativeConfig(method="draft_model", model="unused", num_speculative_tokens=3)
     model_rule = spec_api.adaptive_rule(DraftModelDrafter(tiny_config(V, num_layers=1), 3), draft)
     assert model_rule.carry_prior
+
+
+def test_force_verify_verifies_every_step_and_keeps_greedy_output():
+    """`force_verify` (the tuner's timing, back-off off): an n-gram generation whose lookups mostly miss still
+    verifies at every step, and emits the plain greedy tokens. Without it the misses are plain steps."""
+    config = tiny_config(V)
+    llm = tiny_llm(config, tiny_params(config, seed=5))
+    rng = np.random.default_rng(1)
+    prompts = [rng.permutation(V)[:20].tolist(), rng.permutation(V)[:13].tolist()]  # no repeated token
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = llm.generate(prompts, greedy)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, adaptive=False)
+    params = [greedy] * len(prompts)
+    normal = spec_api.generate(llm, prompts, prompts, params, spec)
+    forced = spec_api.generate(llm, prompts, prompts, params, spec, force_verify=True)
+    for p, n, f in zip(plain, normal, forced):
+        assert f.token_ids == p.token_ids == n.token_ids
+        # every decode step after the prefill's token is a verify step
+        assert f.metrics.verify_steps == f.metrics.target_forwards - 1
+        assert n.metrics.verify_steps < n.metrics.target_forwards - 1

@@ -251,9 +251,11 @@ def test_says_when_no_setting_beats_plain_decoding():
 
 
 # ============================================================================================ timing
-def test_timed_runs_compile_nothing_after_the_warm_up(target, monkeypatch):
+@pytest.mark.parametrize("force_verify", [False, True])
+def test_timed_runs_compile_nothing_after_the_warm_up(target, monkeypatch, force_verify):
     """Prompts of two length buckets: warm_up compiles both, so the timed repetitions compile nothing (a compile
-    inside one setting's timed run once skewed a whole validation table)."""
+    inside one setting's timed run once skewed a whole validation table). With `force_verify` (the cost runs)
+    every speculative step is a verify step and the output is still plain greedy."""
     config, params = target
     llm = tiny_llm(config, params)
     prompts = [PROMPTS[0], list(range(1, 41))]  # buckets 16 and 64
@@ -269,11 +271,11 @@ def test_timed_runs_compile_nothing_after_the_warm_up(target, monkeypatch):
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         for spec in specs.values():
-            tune.warm_up(llm, prompts, spec, sp)
+            tune.warm_up(llm, prompts, spec, sp, force_verify)
         assert compiles, "the warm-up should have compiled the two buckets"
         compiles.clear()
         monkeypatch.setattr(tune, "warm_up", lambda *a: None)  # time the runs alone
-        runs = tune.timed_runs(llm, prompts, specs, sp, reps=2)
+        runs = tune.timed_runs(llm, prompts, specs, sp, reps=2, force_verify=force_verify)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
@@ -282,19 +284,29 @@ def test_timed_runs_compile_nothing_after_the_warm_up(target, monkeypatch):
     assert runs[tune.PLAIN].verify_steps == 0 and runs[tune.PLAIN].plain_steps == runs[tune.PLAIN].tokens
     assert runs[2].verify_steps + runs[2].plain_steps == sum(o.metrics.target_forwards - 1 for o in runs[2].outputs)
     assert [o.token_ids for o in runs[2].outputs] == [o.token_ids for o in runs[tune.PLAIN].outputs]
+    if force_verify:
+        assert runs[2].plain_steps == 0 and runs[2].verify_steps > 0
 
 
-def test_loop_costs_charge_plain_steps_at_the_plain_cost(monkeypatch):
-    """step_s = (decode time - plain steps * plain step) / verify steps, from hand-made runs."""
+def test_loop_costs_time_forced_verify_steps(monkeypatch):
+    """The cost runs force every step to verify; a plain step left in a run (a host-side drafter's loop) is
+    charged at the plain cost: step_s = (decode time - plain steps * plain step) / verify steps."""
     runs = {tune.PLAIN: tune.Run(decode_s=1.0, tokens=100),
             2: tune.Run(decode_s=2.0, tokens=80, verify_steps=30, plain_steps=10)}
-    monkeypatch.setattr(tune, "timed_runs", lambda llm, prompts, specs, sp, reps: {k: runs[k] for k in specs})
+    forced = []
+
+    def fake_runs(llm, prompts, specs, sp, reps, force_verify=False):
+        forced.append(force_verify)
+        return {k: runs[k] for k in specs}
+
+    monkeypatch.setattr(tune, "timed_runs", fake_runs)
     settings = {2: SpeculativeConfig(method="ngram", num_speculative_tokens=2)}
     costs = tune.measure_loop_costs(None, settings, [], None)
+    assert forced == [True]
     assert costs.plain_s == pytest.approx(0.01)
     assert costs.step_s[2] == pytest.approx((2.0 - 10 * 0.01) / 30)
     runs[2] = tune.Run(decode_s=1.0, tokens=100, plain_steps=100)
-    with pytest.raises(tune.TuneError, match="proposed nothing"):
+    with pytest.raises(tune.TuneError, match="verified no step"):
         tune.measure_loop_costs(None, settings, [], None)
 
 
