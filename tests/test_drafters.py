@@ -516,8 +516,8 @@ def test_draft_cache_after_rejections_equals_a_fresh_prefill(target, draft, step
 
 @pytest.mark.parametrize("catch_up", [8, 0])
 def test_draft_cache_after_a_long_back_off_equals_a_fresh_prefill(target, draft, catch_up):
-    """A 20-step back-off (deferred: the plain steps' tokens reach the draft 8 at a time during it and the rest
-    before the next proposal; catch_up 0: one draft forward per plain step), then a probe and two plain steps:
+    """A 20-step back-off (deferred: the plain steps' tokens reach the draft before the next proposal, 8 at a
+    time; catch_up 0: one draft forward per plain step), then a probe and two plain steps:
     the draft's next proposal equals that of a fresh draft prefilled on the same history."""
     config, params = target
     dcfg, dp = draft

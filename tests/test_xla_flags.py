@@ -54,6 +54,13 @@ config = tiny_config(64)
 llm = tiny_llm(config, tiny_params(config, seed=0))
 spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
 drafter, dparams = spec_api.build_drafter(llm, spec)
+if os.environ.get("DRAFTER") == "draft_model":
+    import dataclasses
+    from specjax.drafters.draft_model import DraftModelDrafter
+    # One KV head where the target has more: the draft's cache buffers have their own shape to count.
+    dcfg = dataclasses.replace(config, num_layers=2, num_kv_heads=1)
+    drafter = DraftModelDrafter(dcfg, 3, config.vocab_size)
+    dparams = {"params": tiny_params(dcfg, seed=1)}
 b = engine.make_buckets(2, 12, 16, extra_slots=drafter.tree.num_nodes)
 toks, lens, act = pad_prompts([[1, 2, 3, 1, 2, 3], [4, 5, 6, 4, 5]], b.batch, b.prompt_len)
 sampling = llm.sampling_arrays([SamplingParams(max_new_tokens=16)] * 2, b.batch, b.num_stop)
@@ -67,13 +74,24 @@ txt = spec_engine.spec_loop.lower(llm.params, llm.config, dparams, drafter, st, 
                                   min_gain=jnp.float32(0.5)).compile().as_text()
 shape = "f32[%d,%d,%d,%d]" % (b.batch, config.num_kv_heads, b.capacity, config.head_dim)
 copies = sum(1 for line in txt.splitlines() if " copy(" in line and ("= " + shape) in line)
-print(copies, 2 * config.num_layers)
+dshape = "f32[%d,1,%d,%d]" % (b.batch, b.capacity, config.head_dim)
+dcopies = sum(1 for line in txt.splitlines() if " copy(" in line and ("= " + dshape) in line)
+print(copies, 2 * config.num_layers, dcopies)
 """
 
 
 @pytest.mark.slow  # two processes that compile the speculative loop (~40 s)
 def test_spec_loop_never_copies_the_cache():
-    copies, buffers = map(int, _run(COUNT_COPIES).split())
+    copies, buffers, _ = map(int, _run(COUNT_COPIES).split())
     assert copies == 0, f"{copies} copies of KV-cache buffers ({buffers} buffers) per step"
-    written_in_branch, _ = map(int, _run(COUNT_COPIES, ATTENTION="reference").split())
+    written_in_branch, _, _ = map(int, _run(COUNT_COPIES, ATTENTION="reference").split())
     assert written_in_branch > 0, "a cache written inside the cond's branch should be copied (else the count is blind)"
+
+
+@pytest.mark.slow  # one process that compiles the speculative loop with a draft model (~30 s)
+def test_spec_loop_never_copies_the_draft_models_cache():
+    """The draft model's cache is written by the draft branch of the draft-or-back-off cond only: backed off,
+    `observe_plain` defers the plain steps' tokens to the next proposal instead of writing them in the other
+    branch (it did, and both draft cache buffers of every draft layer were copied at each speculative step)."""
+    copies, _, dcopies = map(int, _run(COUNT_COPIES, DRAFTER="draft_model").split())
+    assert (copies, dcopies) == (0, 0), f"{copies} target and {dcopies} draft KV-cache buffer copies"

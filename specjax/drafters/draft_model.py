@@ -7,10 +7,12 @@ accepted and the last one never went through the draft. So rejections need no ca
 
 Backed off (the engine decodes plainly), the draft does not run a forward per token: `dstate.lengths` records
 how many leading entries of the draft cache hold committed tokens, and the tokens decoded since then, all in the
-history, go through the draft `catch_up` at a time, when that many are pending or before the next proposal. A
-forward over 16 tokens costs about what one over a single token does on a CPU, where the per-token forwards
-cost 5-10% of a plain step. Where the compile policy has no `lax.cond` (Neuron) every plain step is observed
-at once, as before.
+history, go through the draft `catch_up` at a time before the next proposal. A forward over 16 tokens costs
+about what one over a single token does on a CPU, where the per-token forwards cost 5-10% of a plain step.
+`observe_plain` writes nothing then: the engine calls it in the other branch of the `lax.cond` whose draft
+branch writes the cache, and a buffer written in place in both branches was copied whole at every speculative
+step (2 buffers per draft layer). Where the compile policy has no `lax.cond` (Neuron) every plain step is
+observed at once.
 
 Optional reduced draft vocabulary: with `d2t` [Vd] (draft index -> target id) the draft's LM head covers Vd
 tokens only, and its full-vocabulary q puts zero mass elsewhere (the acceptance rule is lossless for any q).
@@ -58,16 +60,13 @@ class DraftModelDrafter:
     def observe_plain(self, dparams, dstate, ctx: DraftContext):
         """The target decodes ctx.last_token at position L without speculating. Eagerly (no `lax.cond`, or
         catch_up = 0): run it through the draft, so the draft cache keeps every committed entry below L. Deferred:
-        only when `catch_up` tokens are pending does one forward write them."""
+        nothing is written; the next `propose` runs the pending tokens, all in the history, through the draft."""
         L = ctx.lengths
         if not (ctx.allow_cond and self.catch_up):
             out = forward(dparams["params"], self.config, ctx.last_token[:, None], L[:, None],
                           dstate._replace(lengths=L), compute_logits=False)
             return out.cache
-        cache = dstate._replace(lengths=self._synced(dstate, L))
-        # Pending: positions [synced, L] (last_token, at L, included).
-        full = jnp.any(L + 1 - cache.lengths >= self.catch_up)
-        return jax.lax.cond(full, lambda c: self._catch_up_chunk(dparams, c, ctx, L + 1), lambda c: c, cache)
+        return dstate._replace(lengths=self._synced(dstate, L))
 
     @staticmethod
     def _synced(dstate, L):
