@@ -43,6 +43,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from specjax.backends.registry import CompilePolicy, get_compile_policy
+from specjax.errors import SpecjaxError
 
 __all__ = [
     "CALLBACK_PRIMITIVES",
@@ -69,7 +70,7 @@ _MAX_LOCATIONS = 3
 _ROOTS = ("specjax", "backends", "kernels", "tests")
 
 
-class PolicyViolationError(ValueError):
+class PolicyViolationError(SpecjaxError, ValueError):
     """A compiled entry point contains constructs its platform's compile policy forbids."""
 
 

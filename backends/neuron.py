@@ -40,6 +40,7 @@ from specjax.backends.jaxpr_check import JaxprReport, PolicyViolationError, chec
 from specjax.backends.registry import CompilePolicy, get_compile_policy
 from specjax.engine import Buckets
 from specjax.sampling import SamplingArrays
+from specjax.errors import SpecjaxError
 
 __all__ = [
     "NEURON_BATCHES",
@@ -70,11 +71,11 @@ _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 
 
-class NeuronPolicyError(ValueError):
+class NeuronPolicyError(SpecjaxError, ValueError):
     """A request or drafter cannot run under the Neuron compile policy."""
 
 
-class NeuronBucketError(ValueError):
+class NeuronBucketError(SpecjaxError, ValueError):
     """No bucket of the table fits a request."""
 
 
@@ -480,7 +481,7 @@ def generate_neuron(llm, prompts_token_ids, sampling_params=None, speculative_co
       list[RequestOutput], as LLM.generate. Sampled tokens use the rbg PRNG, so they differ from the default
       path's for the same seed; greedy output is the same.
     """
-    from specjax import spec_api
+    from specjax.runners import speculative as spec_api
     from specjax.config import SpeculativeConfig
 
     _note_platform()

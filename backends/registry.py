@@ -24,12 +24,14 @@ from typing import Any, Callable
 
 import jax
 
+from specjax.errors import SpecjaxError
+
 PLATFORMS = ("cpu", "gpu", "tpu", "neuron")
 ATTENTION_NAMES = ("auto", "reference", "pallas", "pallas_triton", "pallas_tpu", "lse_merge")
 _PALLAS_BY_PLATFORM = {"gpu": "pallas_triton", "tpu": "pallas_tpu"}
 
 
-class AttentionUnavailableError(ValueError):
+class AttentionUnavailableError(SpecjaxError, ValueError):
     """The requested attention implementation does not exist or cannot run on the requested platform."""
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from specjax.kernels import cpu_build
 from specjax.kernels.cpu_build import KernelBuildError
+from specjax.errors import SpecjaxError
 
 ENV_MODE = "SPECJAX_CPU_ATTENTION"
 MODES = cpu_build.MODES
@@ -41,7 +42,7 @@ FFI_TARGET = "specjax_prefix_attention"
 AUTO_MAX_TOKENS = 128
 
 
-class PrefixAttentionInputError(ValueError):
+class PrefixAttentionInputError(SpecjaxError, ValueError):
     """Inputs the kernel cannot take (ranks, shapes or dtypes), with what to change."""
 
 

@@ -21,6 +21,8 @@ import warnings
 import jax
 import jaxlib
 
+from specjax.errors import SpecjaxError
+
 SOURCE_DIR = pathlib.Path(__file__).with_name("cpu")
 # Compiled together into one library; tiles.h (included by both) is part of the cache key.
 SOURCES = (SOURCE_DIR / "small_matmul.cc", SOURCE_DIR / "prefix_attention.cc")
@@ -41,7 +43,7 @@ def env_mode(variable: str) -> str:
     return value
 
 
-class KernelBuildError(RuntimeError):
+class KernelBuildError(SpecjaxError, RuntimeError):
     """The C++ kernels could not be compiled or loaded; the message says why and how to get them."""
 
 

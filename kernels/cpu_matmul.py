@@ -30,6 +30,7 @@ import numpy as np
 
 from specjax.kernels import cpu_build
 from specjax.kernels.cpu_build import KernelBuildError
+from specjax.errors import SpecjaxError
 
 ENV_MODE = "SPECJAX_CPU_MATMUL"
 MODES = cpu_build.MODES
@@ -41,7 +42,7 @@ AUTO_F32_ROWS = (1, 16)
 AUTO_BF16_ROWS = (1, 64)
 
 
-class SmallMatmulInputError(ValueError):
+class SmallMatmulInputError(SpecjaxError, ValueError):
     """Inputs the kernel cannot take (rank, shapes or dtypes), with what to change."""
 
 

@@ -21,14 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.errors import SpecjaxError
+
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-class TreeAttentionInputError(ValueError):
+class TreeAttentionInputError(SpecjaxError, ValueError):
     """Bad arguments to a tree attention implementation (shape, dtype or value)."""
 
 
-class UnsupportedConfigError(ValueError):
+class UnsupportedConfigError(SpecjaxError, ValueError):
     """Valid arguments that this particular implementation cannot handle (e.g. a head_dim it has no tiling for)."""
 
 

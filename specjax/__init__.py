@@ -32,6 +32,7 @@ def _set_xla_flags() -> None:
 _set_xla_flags()
 
 from specjax.config import SamplingParams, SpeculativeConfig  # noqa: E402
+from specjax.errors import SpecjaxError  # noqa: E402
 
 
 def __getattr__(name):
@@ -43,4 +44,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'specjax' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "SpecjaxError", "SpeculativeConfig", "__version__"]

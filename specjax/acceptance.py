@@ -35,6 +35,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.errors import SpecjaxError
+
 __all__ = [
     "MODES",
     "AcceptanceError",
@@ -58,7 +60,7 @@ _F32 = jnp.float32
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
-class AcceptanceError(ValueError):
+class AcceptanceError(SpecjaxError, ValueError):
     """Bad arguments to an acceptance function (wrong mode, shape or missing q)."""
 
 

@@ -19,11 +19,12 @@ from specjax.config import ConfigError, SamplingParams, SpeculativeConfig
 from specjax.models.loading import DEFAULT_MODEL, load_model
 from specjax.models.llama import fuse_projections
 from specjax.sampling import SamplingArrays
+from specjax.errors import SpecjaxError
 
 FINISH_NAMES = {engine.FINISH_STOP: "stop", engine.FINISH_LENGTH: "length"}
 
 
-class RequestError(ValueError):
+class RequestError(SpecjaxError, ValueError):
     """A request cannot be served as given; the message says which one and how to fix it."""
 
 
@@ -191,7 +192,7 @@ class LLM:
                 o.prompt = p
             return outs
         if spec.enabled:
-            from specjax import spec_api
+            from specjax.runners import speculative as spec_api
 
             return spec_api.generate(self, prompts, ids, params, spec)
         for i, (t, sp) in enumerate(zip(ids, params)):

@@ -31,6 +31,8 @@ from typing import Any, Literal, Optional, TypeVar, Union
 
 import yaml
 
+from specjax.errors import SpecjaxError
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
@@ -61,7 +63,7 @@ _YAML_SUFFIXES = (".yaml", ".yml")
 # --------------------------------------------------------------------------------------------------------------
 
 
-class ConfigError(ValueError):
+class ConfigError(SpecjaxError, ValueError):
     """A bad config: unknown key, wrong type, out-of-range value, unreadable file.
 
     `path` is the dotted location of the problem relative to the config being built ("" = the top level).
@@ -627,7 +629,7 @@ class SpeculativeConfig:
     top_k / depth / total_tokens: dynamic draft tree shape (eagle / eagle3).
     lookup_tokens: eagle / eagle3 / medusa: where the context holds an n-gram match (prompt_lookup_min/max), up
         to this many looked-up tokens become the first branch of the head's tree, in place of its last nodes
-        (same node budget, so the same verify cost; `specjax.drafters.merged`). 0 = the head alone.
+        (same node budget, so the same verify cost; `specjax.drafters.with_lookup`). 0 = the head alone.
     acceptance: 'lossless' (exact target distribution) or 'typical' (Medusa typical acceptance; lossy, see
         `is_lossy`); typical_posterior_* are its threshold and alpha.
     adaptive: per-sequence back-off (`spec_engine.Adaptive`): a sequence whose accepted tokens per verify step

@@ -13,8 +13,10 @@ from typing import Sequence
 
 import numpy as np
 
+from specjax.errors import SpecjaxError
 
-class TreeError(ValueError):
+
+class TreeError(SpecjaxError, ValueError):
     """A tree description is malformed."""
 
 

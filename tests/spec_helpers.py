@@ -187,7 +187,7 @@ def run_suffix(params, config, drafter, buckets, ids: list[list[int]], sampling,
     global_index: a SuffixIndex kept across calls (earlier outputs), or None for a fresh one.
     adaptive: the host loop's back-off rule (`spec_engine.Adaptive`), None = always speculate.
     Returns (final SpecState, global index)."""
-    from specjax import spec_api
+    from specjax.runners import speculative as spec_api
     from specjax.drafters.suffix import SuffixHostState
     from specjax.drafters.suffix_tree import SuffixIndex
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from spec_helpers import tiny_config, tiny_llm, tiny_params
-from specjax import spec_api, spec_engine
+from specjax import spec_engine
+from specjax.runners import speculative as spec_api
 from specjax.config import SamplingParams, SpeculativeConfig
 from specjax.drafters.draft_model import DraftModelDrafter
 

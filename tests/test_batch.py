@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from specjax import batch
+from specjax.runners import batch
 from specjax.api import LLM
 from specjax.models.llama import LlamaConfig, init_params
 from specjax.models.tokenizer import TokenizerError
@@ -304,12 +304,14 @@ def test_unusable_files_fail_before_any_work(llm, tmp_path):
 def test_cli_reports_format_errors_without_loading_a_model(tmp_path, capsys):
     import argparse
 
+    from specjax.cli import batch as batch_cli
+
     p = argparse.ArgumentParser()
-    batch.add_arguments(p)
+    batch_cli.add_arguments(p)
     csv = tmp_path / "in.csv"
     csv.write_text("id,prompt\n")
     args = p.parse_args([str(csv), str(tmp_path / "out.jsonl"), "--batch-size", "4", "--model", "nonexistent"])
-    assert batch.run(args) == 2
+    assert batch_cli.run(args) == 2
     assert "unsupported format '.csv'" in capsys.readouterr().err
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import save_hf_model, tiny_config, tiny_params
-from specjax import bench
+from specjax.tools import bench
 from specjax.config import SamplingParams, SpeculativeConfig, to_dict
 
 MAX_NEW = 8
@@ -236,7 +236,7 @@ def run_cli(model_dir, tmp_path, methods: list[str], limit: int = 3) -> tuple[di
     import matplotlib
 
     matplotlib.use("Agg")
-    from specjax.cli import main
+    from specjax.cli.main import main
 
     data = write(tmp_path / "q.jsonl", "\n".join(json.dumps({"question_id": i, "category": c, "turns": [t]})
                                                   for i, (c, t) in enumerate(zip("xxy", PROMPTS))))
@@ -292,7 +292,7 @@ def test_cli_labels_lossy_config_everywhere(model_dir, tmp_path):
 
 @pytest.mark.parametrize("flag, value", [("--batch-sizes", "0"), ("--batch-sizes", "two"), ("--profile-prompts", "-1")])
 def test_bad_counts_are_refused_before_any_work(tmp_path, capsys, flag, value):
-    from specjax.cli import main
+    from specjax.cli.main import main
 
     with pytest.raises(SystemExit):
         main(["bench", "--dataset", str(tmp_path / "never-read.jsonl"), flag, value])
@@ -300,7 +300,7 @@ def test_bad_counts_are_refused_before_any_work(tmp_path, capsys, flag, value):
 
 
 def test_plain_runs_first_and_a_later_plain_runs_again_as_a_drift_check():
-    from specjax.bench_cli import _methods
+    from specjax.cli.bench import _methods
 
     labels = [m[0] for m in _methods(["ngram", "plain", "medusa", "plain"])]
     assert labels == ["plain", "ngram(k=4)", "medusa(15 nodes)", "plain#2"]
@@ -326,7 +326,7 @@ def child_command(monkeypatch):
     sys.argv[1:], instead of a peer."""
     import sys
 
-    from specjax import peers
+    from specjax.tools import peers
 
     real = peers._child_command
 
@@ -338,7 +338,7 @@ def child_command(monkeypatch):
 
 def test_peer_child_round_trips_prompts_and_records(child_command):
     """The child reads the prompts file and writes one record per prompt; the parent returns them unchanged."""
-    from specjax import peers
+    from specjax.tools import peers
 
     child_command(
         "import json, sys; a = sys.argv[1:]; p = json.load(open(a[a.index('--prompts') + 1]));"
@@ -351,7 +351,7 @@ def test_peer_child_round_trips_prompts_and_records(child_command):
 def test_a_peer_that_dies_by_a_signal_is_a_clear_error(child_command):
     """A native crash (here SIGILL, what a llama.cpp built with AMX does on a VM that hides AMX) becomes PeerFailed
     naming the signal, the likely cause and the end of the child's output, instead of ending the bench."""
-    from specjax import peers
+    from specjax.tools import peers
 
     child_command("import os, signal, sys; print('loading the model', file=sys.stderr, flush=True);"
                   "os.kill(os.getpid(), signal.SIGILL)")
@@ -367,7 +367,7 @@ def test_a_peer_that_dies_by_a_signal_is_a_clear_error(child_command):
     ("import json, sys; a = sys.argv[1:]; json.dump([{}], open(a[a.index('--out') + 1], 'w'))", "1 records for 2"),
 ])
 def test_a_peer_that_fails_or_writes_nothing_is_a_clear_error(child_command, code, problem):
-    from specjax import peers
+    from specjax.tools import peers
 
     child_command(code)
     with pytest.raises(peers.PeerFailed, match=problem):
@@ -375,8 +375,8 @@ def test_a_peer_that_fails_or_writes_nothing_is_a_clear_error(child_command, cod
 
 
 def test_unknown_peer_is_reported_unavailable_by_the_real_child():
-    """The real `python -m specjax.peers` child: an unknown peer name comes back as PeerUnavailable with its list."""
-    from specjax import peers
+    """The real `python -m specjax.tools.peers` child: an unknown peer name comes back as PeerUnavailable with its list."""
+    from specjax.tools import peers
 
     with pytest.raises(peers.PeerUnavailable, match="unknown peer 'vllm'; available: transformers"):
         peers.run_isolated("vllm", "smollm2-135m", PEER_PROMPTS, 4)
@@ -385,7 +385,7 @@ def test_unknown_peer_is_reported_unavailable_by_the_real_child():
 def test_bench_keeps_going_after_a_peer_crash(child_command, capsys, tmp_path):
     """`_run_peers`: the crashed peer is skipped with its reason, the records measured before it are kept, and the
     next peer still runs and is checkpointed."""
-    from specjax import bench_cli
+    from specjax.cli import bench as bench_cli
 
     child_command(
         "import json, os, signal, sys; a = sys.argv[1:]\n"
@@ -405,8 +405,8 @@ def test_bench_keeps_going_after_a_peer_crash(child_command, capsys, tmp_path):
 def test_a_run_that_dies_keeps_what_it_measured(model_dir, llm, tmp_path, monkeypatch):
     """The bench rewrites results.partial.json after every method: when a later stage dies (here the peers), the
     methods already measured are on disk."""
-    from specjax import bench_cli
-    from specjax.cli import main
+    from specjax.cli import bench as bench_cli
+    from specjax.cli.main import main
 
     def die(*a, **k):
         raise RuntimeError("the machine went away")

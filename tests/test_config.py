@@ -488,10 +488,10 @@ def test_training_yaml_typo_suggests_the_option():
 
 
 def test_train_head_cli_prints_the_command(capsys):
-    from specjax.cli import main
+    from specjax.cli.main import main
 
     assert main(["train-head", "--config", "train/eagle", "--set", "steps=3", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("python -m specjax.train.heads --kind eagle") and "--steps 3" in out
+    assert out.startswith("python -m specjax.train.eagle --kind eagle") and "--steps 3" in out
     assert main(["train-head", "--config", "train/eagel"]) == 2
     assert "did you mean 'train/eagle'" in capsys.readouterr().err

@@ -542,7 +542,7 @@ def test_draft_cache_after_a_long_back_off_equals_a_fresh_prefill(target, draft,
 
 
 def test_build_drafter_honours_every_suffix_setting(target):
-    from specjax import spec_api
+    from specjax.runners import speculative as spec_api
     from specjax.config import SpeculativeConfig
 
     llm = tiny_llm(*target)

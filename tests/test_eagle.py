@@ -30,7 +30,7 @@ from safetensors import safe_open
 from specjax import engine, spec_engine
 from specjax.drafters.eagle import EagleDrafter, EagleDrafterError, load_eagle_drafter
 from specjax.heads.eagle import HeadConfig, head_config, head_logits, init_from_target, unrolled_hidden
-from specjax.heads_io import (HEAD_FORMATS, HeadFormatError, HeadMismatchError, load_head, save_head)
+from specjax.heads.eagle_io import (HEAD_FORMATS, HeadFormatError, HeadMismatchError, load_head, save_head)
 from specjax.kv_cache import init_cache
 from specjax.models.llama import forward
 
@@ -313,7 +313,7 @@ def test_dynamic_tree_invariants(target, heads, kind):
 # ============================================================================================ merged lookup
 def test_merge_puts_the_lookup_chain_first_and_shifts_the_head_nodes():
     from specjax.drafters.base import Proposal
-    from specjax.drafters.merged import merge
+    from specjax.drafters.with_lookup import merge
 
     # Head: 6 nodes (root + 5): 1 and 2 under the root, 3 under 1, 4 under 3, 5 under 2; row 1 lacks node 5.
     head = Proposal(jnp.array([[90, 11, 12, 13, 14, 15], [91, 21, 22, 23, 24, 25]]),
@@ -350,7 +350,7 @@ def test_lookup_merged_into_eagle3_tree(target, heads):
     """Through the drafter: where the context repeats, nodes 1..g are what n-gram lookup proposes and the rest
     are the head's own best nodes; the tree keeps the head's node budget and the deeper of the two depths."""
     from spec_helpers import spec_start
-    from specjax.drafters.merged import WithLookup
+    from specjax.drafters.with_lookup import WithLookup
     from specjax.drafters.ngram import NgramDrafter
 
     config, params = target
@@ -378,7 +378,7 @@ def test_lookup_merged_into_eagle3_tree(target, heads):
 
 @pytest.mark.parametrize("back_off", [False, True])
 def test_lookup_merged_tree_greedy_matches_plain(target, heads, back_off):
-    from specjax.drafters.merged import WithLookup
+    from specjax.drafters.with_lookup import WithLookup
     from specjax.drafters.ngram import NgramDrafter
 
     config, params = target
@@ -395,7 +395,7 @@ def test_lookup_merged_tree_greedy_matches_plain(target, heads, back_off):
 
 def test_lookup_merge_settings_are_checked(target, heads):
     from specjax.config import ConfigError, SpeculativeConfig
-    from specjax.drafters.merged import MergedDrafterError, WithLookup
+    from specjax.drafters.with_lookup import MergedDrafterError, WithLookup
     from specjax.drafters.ngram import NgramDrafter
 
     hcfg = heads["eagle3"][0]

@@ -23,7 +23,7 @@ from specjax.drafters.medusa import (DEFAULT_CHOICES, MedusaDrafter, TypicalMode
                                      choices_from_accuracy, expected_accepted, from_spec)
 from specjax.heads.medusa import (MedusaConfig, MedusaError, apply, draft_params, head_hidden, init_heads,
                                   residual_blocks)
-from specjax.heads_io_medusa import MedusaFormatError, detect_layout, load_medusa, save_medusa
+from specjax.heads.medusa_io import MedusaFormatError, detect_layout, load_medusa, save_medusa
 from specjax.tree import TreeError, from_choices
 from specjax.train import medusa as tm
 
@@ -202,7 +202,7 @@ def test_greedy_equals_plain_through_the_engine(target, fitted, plain_greedy, ch
     config, params = target
     drafter, dp = _medusa(target, fitted, choices)
     if lookup:
-        from specjax.drafters.merged import WithLookup
+        from specjax.drafters.with_lookup import WithLookup
         from specjax.drafters.ngram import NgramDrafter
 
         drafter = WithLookup(drafter, NgramDrafter(lookup, 1, 3))
@@ -593,10 +593,10 @@ def test_training_command_resumes_and_exports(tmp_path, target):
 
 
 def test_features_from_the_heads_cache_equal_a_feature_pass(tmp_path, target):
-    """--features-cache (a cache of `specjax.train.heads` / `specjax.train.data --features-out`) gives the rows
+    """--features-cache (a cache of `specjax.train.eagle` / `specjax.train.data --features-out`) gives the rows
     `extract_features` computes; a cache made from other data is refused."""
     from specjax.train.data import save_dataset
-    from specjax.train.heads import compute_features, feature_cache_key, save_feature_cache
+    from specjax.train.eagle import compute_features, feature_cache_key, save_feature_cache
 
     config, params = target
     arrays = _random_data(np.random.default_rng(1), 6, 40, 24, (3, 10), 5)

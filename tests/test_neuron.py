@@ -442,7 +442,7 @@ def test_smollm2_ngram_greedy_matches_default_path(smol):
     assert _tokens(got) == _tokens(ref)
     assert sum(o.metrics.accepted for o in got) > 0
     from specjax.config import SpeculativeConfig
-    from specjax.spec_api import build_drafter
+    from specjax.runners.speculative import build_drafter
 
     runner = neuron.runner_for(smol, *build_drafter(smol, SpeculativeConfig.from_user(spec)))
     for rep in runner.reports(runner.compiled_buckets()[0]).values():

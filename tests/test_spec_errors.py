@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from specjax import spec_api
+from specjax.runners import speculative as spec_api
 from specjax.api import RequestError
 from specjax.config import ConfigError, SamplingParams, SpeculativeConfig
 from specjax.drafters.ngram import NgramDrafter
-from specjax.spec_api import SpeculativeConfigError
+from specjax.runners.speculative import SpeculativeConfigError
 from specjax.tree import TreeError, chain
 
 from spec_helpers import save_hf_llama, tiny_config, tiny_llm, tiny_params

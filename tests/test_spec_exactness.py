@@ -27,7 +27,8 @@ import warnings
 import numpy as np
 import pytest
 
-from specjax import engine, spec_api
+from specjax import engine
+from specjax.runners import speculative as spec_api
 from specjax.config import SamplingParams, SpeculativeConfig
 
 from conftest import SPEC_BENCH

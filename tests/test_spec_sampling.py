@@ -212,7 +212,7 @@ def drafter_for(name: str, draft, target=None):
         eagle = EagleDrafter(hc, top_k=3, depth=2, total_tokens=6)
         return eagle, {"head": head, "embed": params["embed"], "lm_head": params["lm_head"]}
     if name == "eagle_lookup":
-        from specjax.drafters.merged import WithLookup
+        from specjax.drafters.with_lookup import WithLookup
 
         eagle, dparams = drafter_for("eagle", draft, target)
         return WithLookup(eagle, NgramDrafter(GAMMA, 1, 2)), dparams

@@ -375,8 +375,8 @@ def test_plan_requests_extra_answers_for_training_prompts_only():
 
 
 def test_generate_batch_features_equal_the_heads_feature_pass(target):
-    """Features recorded during generation are the ones `specjax.train.heads` computes with one prefill."""
-    from specjax.train.heads import compute_features
+    """Features recorded during generation are the ones `specjax.train.eagle` computes with one prefill."""
+    from specjax.train.eagle import compute_features
 
     prompts = jnp.asarray([[5, 9, 2, 7, 0, 0], [11, 3, 4, 8, 1, 6]], jnp.int32)
     plen = np.asarray([4, 6], np.int32)

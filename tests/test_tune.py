@@ -1,4 +1,4 @@
-"""The tuner (specjax.tune): cost-model arithmetic, tree-size candidates, and one end-to-end tree tune.
+"""The tuner (specjax.tools.tune): cost-model arithmetic, tree-size candidates, and one end-to-end tree tune.
 
 * predict / predict_tree with hand-made costs and acceptance give the hand-computed tokens/s and pick the
   setting a hand computation picks (and a different one when the acceptance changes).
@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from specjax import tune
+from specjax.tools import tune
 from specjax.config import SpeculativeConfig
 from specjax.drafters.medusa import DEFAULT_CHOICES, choices_from_accuracy
 from specjax.tree import from_choices
@@ -163,7 +163,7 @@ def target():
 
 def test_medusa_tree_configs_use_the_heads_default_tree(target, tmp_path):
     from specjax.heads.medusa import MedusaConfig, init_heads
-    from specjax.heads_io_medusa import save_medusa
+    from specjax.heads.medusa_io import save_medusa
 
     config, params = target
     hcfg = MedusaConfig(num_heads=3, hidden_size=config.hidden_size, vocab_size=V)
@@ -181,7 +181,7 @@ def test_medusa_tree_configs_use_the_heads_default_tree(target, tmp_path):
 @pytest.mark.slow  # ~50 s on 2 loaded cores: compiling the speculative loop at each size dominates
 def test_tune_tree_end_to_end_on_a_tiny_eagle_head(target, tmp_path):
     from specjax.heads.eagle import head_config, init_from_target
-    from specjax.heads_io import save_head
+    from specjax.heads.eagle_io import save_head
 
     config, params = target
     hcfg = head_config(config, "eagle")

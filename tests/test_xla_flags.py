@@ -46,7 +46,8 @@ import os
 import jax, jax.numpy as jnp
 import specjax
 from spec_helpers import tiny_config, tiny_params, tiny_llm
-from specjax import engine, spec_api, spec_engine
+from specjax import engine, spec_engine
+from specjax.runners import speculative as spec_api
 from specjax.api import pad_prompts
 from specjax.config import SamplingParams, SpeculativeConfig
 

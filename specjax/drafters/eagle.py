@@ -41,6 +41,7 @@ from specjax.heads.eagle import HeadConfig, head_hidden, head_logits, init_head_
 from specjax.kv_cache import KVCache
 from specjax.models.llama import dense_mask
 from specjax.tree import TreeSpec, chain
+from specjax.errors import SpecjaxError
 
 
 class EagleState(NamedTuple):
@@ -52,7 +53,7 @@ class EagleState(NamedTuple):
     pend_n: jax.Array  # [B] int32 pending pairs (0 = the cache is up to date)
 
 
-class EagleDrafterError(ValueError):
+class EagleDrafterError(SpecjaxError, ValueError):
     """An EAGLE drafter's tree settings are inconsistent; the message says which and how to fix them."""
 
 
@@ -291,7 +292,7 @@ def resolve_head_path(model: str | None, method: str) -> str:
     the head shipped for SmolLM2-135M."""
     import os
 
-    from specjax.heads_io import HeadFormatError
+    from specjax.heads.eagle_io import HeadFormatError
 
     model = model or DEFAULT_HEADS[method]
     if os.path.exists(model):
@@ -307,7 +308,7 @@ def load_eagle_drafter(path: str, method: str, target_config, target_params: dic
     """(EagleDrafter, dparams) for the head at `path` on this target. method: 'eagle' or 'eagle3' (the head's
     kind must match); top_k == 1 gives the top-1 chain of `depth` tokens. Head weights are cast to the target
     embedding's dtype; the target's embedding (and untied LM head) are shared, not copied."""
-    from specjax.heads_io import load_head
+    from specjax.heads.eagle_io import load_head
 
     hcfg, params = load_head(path, target_config)
     if not isinstance(hcfg, HeadConfig) or hcfg.kind != method:

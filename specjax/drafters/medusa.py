@@ -183,7 +183,7 @@ def load(model: str | None, target_params: dict, target_hidden: int, target_voca
     """(MedusaDrafter, dparams) for heads on disk and a target; the tree defaults to the heads' own
     (config.json `specjax_medusa.tree_choices`), else DEFAULT_CHOICES. Weights take the target's dtype."""
     from specjax.heads.medusa import draft_params
-    from specjax.heads_io_medusa import load_medusa
+    from specjax.heads.medusa_io import load_medusa
 
     path = resolve_heads_path(model)
     config, params, meta = load_medusa(path, target_hidden, target_vocab, dtype=target_params["embed"].dtype)

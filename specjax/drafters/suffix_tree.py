@@ -26,6 +26,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from specjax.errors import SpecjaxError
+
 __all__ = [
     "Proposal",
     "SuffixDecodingError",
@@ -40,7 +42,7 @@ __all__ = [
 _PRUNE_EPS = 1e-9
 
 
-class SuffixDecodingError(ValueError):
+class SuffixDecodingError(SpecjaxError, ValueError):
     """Bad argument to the suffix-decoding index or proposer."""
 
 

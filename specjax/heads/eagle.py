@@ -34,11 +34,12 @@ import jax.numpy as jnp
 
 from specjax.kv_cache import KVCache, init_cache, write_kv
 from specjax.models.llama import LlamaConfig, apply_rope, lm_head, reference_attention, rms_norm, rope_inv_freq
+from specjax.errors import SpecjaxError
 
 KINDS = ("eagle", "eagle3")
 
 
-class HeadConfigError(ValueError):
+class HeadConfigError(SpecjaxError, ValueError):
     """A head configuration is inconsistent (unknown kind, wrong layer count, bad feature layers)."""
 
 
@@ -86,7 +87,7 @@ class HeadConfig:
             return ("final",)
         if not self.feature_layers:
             raise HeadConfigError("this EAGLE-3 head's feature layers are not set; load it with "
-                                  "specjax.heads_io.load_head, which binds them to the target")
+                                  "specjax.heads.eagle_io.load_head, which binds them to the target")
         return tuple(self.feature_layers)
 
     @property

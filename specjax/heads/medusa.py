@@ -27,11 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.llama import lm_head
+from specjax.errors import SpecjaxError
 
 LM_HEADS = ("target", "shared", "per_head")
 
 
-class MedusaError(ValueError):
+class MedusaError(SpecjaxError, ValueError):
     """Medusa heads and their target (or their settings) do not fit together; the message says how to fix it."""
 
 

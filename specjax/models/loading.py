@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from specjax.models.llama import LlamaConfig, param_shapes
+from specjax.errors import SpecjaxError
 
 DEFAULT_MODEL = "smollm2-135m"
 _ALIASES = {
@@ -23,7 +24,7 @@ _ALIASES = {
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(SpecjaxError, ValueError):
     """A model could not be loaded; the message says what and how to fix it."""
 
 

@@ -26,10 +26,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
+from specjax.errors import SpecjaxError
+
 __all__ = ["IncrementalDecoder", "Tokenizer", "TokenizerError"]
 
 
-class TokenizerError(ValueError):
+class TokenizerError(SpecjaxError, ValueError):
     """A tokenizer could not be built or used; the message names the problem and the fix."""
 
 

@@ -1,6 +1,6 @@
 """What every trainer shares: the optimizer, orbax checkpoints, the resumable metrics log.
 
-The draft-model, Medusa and EAGLE trainers (`specjax.train.draft`, `.medusa`, `.heads`) differ in data and loss;
+The draft-model, Medusa and EAGLE trainers (`specjax.train.draft_model`, `.medusa`, `.heads`) differ in data and loss;
 the training scaffolding below is one piece, so a resumed run behaves the same whichever head it trains.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ Everything is saved to one `.npz` of plain arrays (no pickles; `np.load(..., all
 Rows: one per planned answer (`plan_requests`): every prompt once, and with `--extra-samples n` every training
 prompt n more times, sampled. With `--features-out FILE` the target features at every position (final hidden
 state and the EAGLE-3 layers), recorded by the same forward passes, go to the feature cache that
-`specjax.train.heads --features-cache FILE` reads, which then skips its own feature pass over the data.
+`specjax.train.eagle --features-cache FILE` reads, which then skips its own feature pass over the data.
 
 Run: `python -m specjax.train.data --out /path/to/data.npz` (see --help). Finished batches are kept in
 `<out>.partial.npz` as it goes, so rerunning an interrupted command continues instead of starting over.
@@ -41,11 +41,12 @@ from specjax.kv_cache import init_cache
 from specjax.sampling import top_k as top_k_two_stage
 from specjax.models.llama import LlamaConfig, forward
 from specjax.train.prompts import Prompt, build_prompts, is_heldout
+from specjax.errors import SpecjaxError
 
 FIELDS = ("tokens", "prompt_len", "length", "topk_ids", "topk_logp", "temperature", "prompt_index", "heldout")
 
 
-class DataError(ValueError):
+class DataError(SpecjaxError, ValueError):
     """A distillation data file is missing, malformed or inconsistent; the message says how to fix it."""
 
 
@@ -69,7 +70,7 @@ def generate_batch(params: dict, config: LlamaConfig, prompts: jax.Array, prompt
     prompts [B, P] int32, prompt_len [B] int32 (>= 1), temperature [B] float32 (0 = greedy),
     keys [B, 2] uint32 (one PRNG key per row, so a row's sample does not depend on its batch).
     feature_layers: None, or the target layers whose outputs are also recorded at every position, as the
-    feature cache of `specjax.train.heads` holds them: F = H (final normed hidden state) + len(layers) * H.
+    feature cache of `specjax.train.eagle` holds them: F = H (final normed hidden state) + len(layers) * H.
     The forward passes compute them anyway, which saves the heads' separate feature pass over the data.
     Returns a `Generated`. The loop exits early once every row has emitted a stop token.
     """
@@ -163,7 +164,7 @@ def generate_dataset(params: dict, config: LlamaConfig, tokenizer, prompts: list
 
     feature_layers: also return the target features at every position, "features_final" [N, L, H] and
     "features_layers" [N, L, len(layers) * H] float16, zero past each length (the feature cache of
-    `specjax.train.heads`).
+    `specjax.train.eagle`).
     partial: a .npz path where finished batches are saved after each batch (their features next to it, one
     file per batch); an existing one made with the same settings is picked up, so an interrupted run continues
     where it stopped (they are deleted at the end).
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--extra-temperatures", default="1.0,0.7,0.4",
                     help="temperatures the extra answers cycle through (comma-separated, each > 0)")
     ap.add_argument("--features-out", default=None,
-                    help="also write the target feature cache that `specjax.train.heads --features-cache` reads, "
+                    help="also write the target feature cache that `specjax.train.eagle --features-cache` reads, "
                          "recorded during generation (saves the heads' separate feature pass)")
     ap.add_argument("--feature-layers", default=None,
                     help="layers recorded for EAGLE-3 with --features-out (default: the heads' default low/mid/high)")
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
             "generation_seconds": round(seconds, 1), "stop_token_ids": list(loaded.tokenizer.stop_token_ids)}
     save_dataset(args.out, arrays, meta)
     if args.features_out:
-        from specjax.train.heads import feature_cache_key, save_feature_cache
+        from specjax.train.eagle import feature_cache_key, save_feature_cache
 
         save_feature_cache(args.features_out, feature_cache_key(args.out, args.target, layers),
                            {"final": arrays["features_final"], "layers": arrays["features_layers"]})

@@ -25,8 +25,8 @@ import yaml
 
 from specjax.config import ConfigError, _did_you_mean, load_yaml_dict, packaged_config_path
 
-TRAINERS = {"draft": "specjax.train.draft", "medusa": "specjax.train.medusa", "eagle": "specjax.train.heads",
-            "eagle3": "specjax.train.heads"}
+TRAINERS = {"draft": "specjax.train.draft_model", "medusa": "specjax.train.medusa", "eagle": "specjax.train.eagle",
+            "eagle3": "specjax.train.eagle"}
 
 
 def _options(module) -> dict[str, argparse.Action]:

@@ -37,11 +37,12 @@ from specjax.heads.medusa import MedusaConfig, head_hidden, head_logits, init_he
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward
 from specjax.train.common import checkpoint_manager, make_optimizer, pyplot_or_none, read_metrics as _read_metrics
+from specjax.errors import SpecjaxError
 
 EVAL_RANKS = 10  # ranks per head measured on held-out data (the default tree uses ranks below this)
 
 
-class MedusaTrainError(ValueError):
+class MedusaTrainError(SpecjaxError, ValueError):
     """Medusa training cannot run as asked; the message says how to fix it."""
 
 
@@ -101,13 +102,13 @@ def extract_features(params: dict, config: LlamaConfig, arrays: dict, out_dir: s
 
 def features_from_cache(path: str, data_path: str, target_spec: str, arrays: dict) -> np.ndarray:
     """The same [N, R, H] float16 response rows as `extract_features`, read from the heads' feature cache
-    (`specjax.train.heads --features-cache`, or `specjax.train.data --features-out`, which records the features
+    (`specjax.train.eagle --features-cache`, or `specjax.train.data --features-out`, which records the features
     while generating) instead of a feature pass of its own. The cache must come from this data file and target."""
-    from specjax.train.heads import feature_cache_key
+    from specjax.train.eagle import feature_cache_key
 
     if not os.path.isfile(path):
         raise MedusaTrainError(f"--features-cache {path!r} does not exist; make it with `python -m specjax.train.data "
-                               "--features-out` or `python -m specjax.train.heads --features-only`, or leave it out")
+                               "--features-out` or `python -m specjax.train.eagle --features-only`, or leave it out")
     with np.load(path, allow_pickle=False) as f:
         key = json.loads(str(f["key"]))
         want = json.loads(feature_cache_key(data_path, target_spec, tuple(key.get("layers", ())), 0))
@@ -273,7 +274,7 @@ def train(args) -> dict:
     """The run described by the parsed arguments (see `parse_args`). Returns the summary (also in summary.json)."""
     import orbax.checkpoint as ocp
 
-    from specjax.heads_io_medusa import save_medusa
+    from specjax.heads.medusa_io import save_medusa
     from specjax.drafters.medusa import choices_from_accuracy, expected_accepted
     from specjax.models.loading import load_model
     from specjax.train.data import load_dataset
@@ -518,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--feature-batch", type=int, default=8)
     ap.add_argument("--features-cache", default=None,
                     help="read the target features from this cache of `specjax.train.data --features-out` (or of "
-                         "`specjax.train.heads`) instead of computing them (one --data file only)")
+                         "`specjax.train.eagle`) instead of computing them (one --data file only)")
     ap.add_argument("--checkpoint-every", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-batch", type=int, default=1024)

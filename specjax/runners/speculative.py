@@ -22,9 +22,10 @@ from specjax.drafters.base import Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.models.llama import fuse_projections
+from specjax.errors import SpecjaxError
 
 
-class SpeculativeConfigError(ValueError):
+class SpeculativeConfigError(SpecjaxError, ValueError):
     """The speculative configuration cannot be used with this target model."""
 
 
@@ -61,7 +62,7 @@ def build_drafter(llm, spec: SpeculativeConfig):
             "available: 'ngram', 'draft_model', 'suffix', 'medusa', 'eagle', 'eagle3'")
     built = _with_acceptance(built, spec)
     if spec.lookup_tokens:
-        from specjax.drafters.merged import WithLookup
+        from specjax.drafters.with_lookup import WithLookup
 
         lookup = NgramDrafter(spec.lookup_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         built = WithLookup(built[0], lookup), built[1]
@@ -88,7 +89,7 @@ def _draft_model(llm, spec: SpeculativeConfig):
     path = resolve_draft_path(spec.model)
     cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else None
     if cfg_file and "specjax_draft" in pathlib.Path(cfg_file).read_text():
-        from specjax.train.draft import load_draft
+        from specjax.train.draft_model import load_draft
 
         config, params, d2t = load_draft(path, llm.params)
         if config.vocab_size != llm.config.vocab_size:

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import SamplingParams, SpeculativeConfig
+from specjax.errors import SpecjaxError
 
 TREE_METHODS = ("medusa", "eagle", "eagle3")
 DEFAULT_GAMMAS = (1, 2, 4, 6, 8)
@@ -46,7 +47,7 @@ TOLERANCE = 0.15  # |predicted - measured| / measured speedup the cost model sho
 OFF = 0  # the setting "no speculation": plain decoding, a candidate like any gamma or tree size
 
 
-class TuneError(ValueError):
+class TuneError(SpecjaxError, ValueError):
     """The tuner cannot run with these settings; the message says which and how to fix them."""
 
 
@@ -128,8 +129,8 @@ def _as_first_request(llm, prompt, sp: SamplingParams, spec: SpeculativeConfig |
     several settings of one drafter: a later generation would otherwise find the prompt's answer in the suffix
     index and its acceptance in the prior. The caller puts the LLM's own learned state back afterwards.
     force_verify: every step of a speculative generation verifies (`spec_api.generate`)."""
-    from specjax import spec_api
-    from specjax.spec_api import restore_learned
+    from specjax.runners import speculative as spec_api
+    from specjax.runners.speculative import restore_learned
 
     restore_learned(llm, {})
     if spec is None or not force_verify:
@@ -145,7 +146,7 @@ def timed_runs(llm, prompts: list, specs: dict, sp: SamplingParams, reps: int = 
     settings, so a slow spell of the machine hits them all instead of one setting's whole run. Every generation
     starts as a first request (`_as_first_request`). force_verify: every speculative step verifies, also on a
     lookup miss (for timing verify steps; the warm-up compiles that loop)."""
-    from specjax.spec_api import learned_state, restore_learned
+    from specjax.runners.speculative import learned_state, restore_learned
 
     saved = learned_state(llm)
     for spec in specs.values():
@@ -206,7 +207,7 @@ def measure_draft_cost(llm, spec: SpeculativeConfig, prompt: list[int]) -> float
     0 for host-side drafters, whose proposals are timed by the generation itself."""
     from specjax import engine, spec_engine
     from specjax.api import pad_prompts
-    from specjax.spec_api import build_drafter
+    from specjax.runners.speculative import build_drafter
 
     drafter, dparams = build_drafter(llm, spec)
     if getattr(drafter, "host_side", False):
@@ -225,7 +226,7 @@ def measure_draft_costs(llm, spec: SpeculativeConfig, gammas: Sequence[int], pro
 
 def measure_acceptance(llm, spec: SpeculativeConfig, prompts: list, sp: SamplingParams, width: int) -> Acceptance:
     """Acceptance counts of `spec` over the prompts at batch 1; per-position counts cut/padded to `width`."""
-    from specjax.spec_api import learned_state, restore_learned
+    from specjax.runners.speculative import learned_state, restore_learned
 
     saved = learned_state(llm)
     acc = Acceptance(per_position_accepted=[0] * width)
@@ -357,7 +358,7 @@ def tree_configs(llm, spec: SpeculativeConfig, sizes: Sequence[int]) -> tuple[di
 
 
 def _tree_configs(llm, spec: SpeculativeConfig, sizes: Sequence[int]) -> tuple[dict[int, SpeculativeConfig], list[str]]:
-    from specjax.spec_api import build_drafter
+    from specjax.runners.speculative import build_drafter
 
     if spec.method == "medusa":
         drafter, _ = build_drafter(llm, dataclasses.replace(spec, tree_choices=None))

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from specjax import bench
+from specjax.tools import bench
 from specjax.config import SamplingParams
 
 
@@ -69,9 +69,9 @@ def _jsonable(x):
 
 
 def _run_peers(args, prompts, results, checkpoint=None) -> None:
-    """Run each requested peer in its own process (`specjax.peers.run_isolated`): a peer that is missing or dies
+    """Run each requested peer in its own process (`specjax.tools.peers.run_isolated`): a peer that is missing or dies
     is reported and skipped, and the methods measured so far are kept."""
-    from specjax.peers import PeerFailed, PeerUnavailable, run_isolated
+    from specjax.tools.peers import PeerFailed, PeerUnavailable, run_isolated
 
     for name in args.peers:
         print(f"running peer {name}", file=sys.stderr)

@@ -6,10 +6,10 @@
 - llama.cpp through llama-cpp-python on the same GGUF file: plain and its prompt-lookup decoding. llama.cpp runs
   the QUANTIZED weights natively (Q4_1 for the default model), so its speed is not a same-precision comparison.
 
-Each run returns the bench record format (see `specjax.bench.run_requests`) plus whether the greedy output of a
+Each run returns the bench record format (see `specjax.tools.bench.run_requests`) plus whether the greedy output of a
 speculative peer equals that peer's own plain greedy output.
 
-`run_isolated` runs one peer in a child Python process (`python -m specjax.peers ...`, prompts and records as JSON
+`run_isolated` runs one peer in a child Python process (`python -m specjax.tools.peers ...`, prompts and records as JSON
 files). A peer is native code we do not control: a llama.cpp build that uses AMX tiles on a virtual machine which
 advertises but does not enable them dies with SIGILL. In the bench's own process that would end the run and lose
 every result measured so far; in a child it becomes a `PeerFailed` the bench reports before going on.
@@ -26,12 +26,14 @@ import tempfile
 import time
 from typing import Sequence
 
+from specjax.errors import SpecjaxError
 
-class PeerUnavailable(RuntimeError):
+
+class PeerUnavailable(SpecjaxError, RuntimeError):
     """The peer's package is not installed; the message says which extra to install."""
 
 
-class PeerFailed(RuntimeError):
+class PeerFailed(SpecjaxError, RuntimeError):
     """A peer's child process died or returned no records; the message says how, and the end of its stderr."""
 
 
@@ -150,7 +152,7 @@ _SIGNAL_HINTS = {
 
 def _child_command(name: str, model_spec: str, prompts_path: str, out_path: str, max_new_tokens: int,
                    num_tokens: int, assistant_dir: str | None) -> list[str]:
-    cmd = [sys.executable, "-m", "specjax.peers", "--name", name, "--model", model_spec, "--prompts", prompts_path,
+    cmd = [sys.executable, "-m", "specjax.tools.peers", "--name", name, "--model", model_spec, "--prompts", prompts_path,
            "--out", out_path, "--max-new-tokens", str(max_new_tokens), "--num-tokens", str(num_tokens)]
     return cmd + (["--peer-draft", assistant_dir] if assistant_dir else [])
 
@@ -196,9 +198,9 @@ def run_isolated(name: str, model_spec: str, prompts: Sequence, max_new_tokens: 
 
 def _main(argv: Sequence[str] | None = None) -> int:
     """The child side of `run_isolated`."""
-    from specjax.bench import BenchPrompt
+    from specjax.tools.bench import BenchPrompt
 
-    ap = argparse.ArgumentParser(prog="python -m specjax.peers", description="Run one peer engine (used by "
+    ap = argparse.ArgumentParser(prog="python -m specjax.tools.peers", description="Run one peer engine (used by "
                                  "`specjax bench --peers`, which starts it in its own process).")
     ap.add_argument("--name", required=True)
     ap.add_argument("--model", required=True)

@@ -13,6 +13,7 @@ import json
 import sys
 import time
 
+from specjax.cli.common import add_config_flags, make_llm, shortcut_overrides, user_errors
 from specjax.config import ConfigError, RunConfig, available_configs, load_run_config, to_yaml
 
 DEMO_PROMPT = ("Summarize the following text in two sentences: Speculative decoding speeds up language models. "
@@ -21,65 +22,34 @@ DEMO_PROMPT = ("Summarize the following text in two sentences: Speculative decod
                "would have produced alone, but fewer slow target passes are needed.")
 
 
-def _shortcut_overrides(args) -> list[str]:
-    out = list(args.set or [])
-    for flag, key in (("model", "model.model"), ("dtype", "model.dtype"), ("max_new_tokens", "sampling.max_new_tokens"),
-                      ("temperature", "sampling.temperature"), ("top_p", "sampling.top_p"), ("top_k", "sampling.top_k"),
-                      ("seed", "sampling.seed"), ("method", "speculative.method"),
-                      ("num_speculative_tokens", "speculative.num_speculative_tokens"),
-                      ("draft", "speculative.model"), ("backend", "backend.backend"),
-                      ("attention_impl", "backend.attention_impl")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            out.append(f"{key}={value}")
-    return out
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="packaged config name (see `specjax configs`) or a YAML file")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key, e.g. sampling.top_p=0.9")
-    p.add_argument("--model", help="model spec: 'smollm2-135m', an HF directory or a .gguf file")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"])
-    p.add_argument("-n", "--max-new-tokens", dest="max_new_tokens", type=int)
-    p.add_argument("-t", "--temperature", type=float)
-    p.add_argument("--top-p", dest="top_p", type=float)
-    p.add_argument("--top-k", dest="top_k", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--method", help="speculative method: ngram, draft_model, suffix, medusa, eagle, eagle3 (or 'null' for plain)")
-    p.add_argument("-k", "--num-speculative-tokens", dest="num_speculative_tokens", type=int)
-    p.add_argument("--draft", help="draft model / head path for the speculative method")
-    p.add_argument("--backend", choices=["auto", "cpu", "gpu", "tpu", "neuron"])
-    p.add_argument("--attention-impl", dest="attention_impl")
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specjax", description="Lossless speculative decoding in JAX.")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for prompts (speculative if a method is configured)")
-    _common(g)
+    add_config_flags(g)
     g.add_argument("prompts", nargs="*", help="prompts (default: the config's prompts, else a demo prompt)")
     g.add_argument("--raw", action="store_true", help="do not wrap prompts in the model's chat template")
     g.add_argument("--compare", action="store_true",
                    help="also run plain decoding on the same prompts and print the measured speedup")
     g.add_argument("--json", action="store_true", help="print results as JSON lines")
     c = sub.add_parser("chat", help="interactive chat, streaming tokens")
-    _common(c)
+    add_config_flags(c)
     b = sub.add_parser("bench", help="benchmark methods against plain decoding on a prompt file (e.g. Spec-Bench)")
-    from specjax.bench_cli import add_arguments
+    from specjax.cli.bench import add_arguments
 
     add_arguments(b)
     bt = sub.add_parser("batch", help="offline generation over a JSONL file (continuous batching, resumable)")
-    from specjax.batch import add_arguments as batch_arguments
+    from specjax.cli.batch import add_arguments as batch_arguments
 
     batch_arguments(bt)
     cp = sub.add_parser("compare", help="one config on several backends/devices or methods, greedy outputs cross-checked")
-    from specjax.compare import add_arguments as compare_arguments
+    from specjax.tools.compare import add_arguments as compare_arguments
 
     compare_arguments(cp)
     tn = sub.add_parser("tune", help="measure costs and acceptance, pick gamma (chain methods) or the draft tree size "
                                      "(medusa, eagle, eagle3), or plain decoding where none pays; compare "
                                      "predicted and measured speedup")
-    _common(tn)
+    add_config_flags(tn)
     tn.add_argument("--dataset", required=True, help="prompt file (Spec-Bench format, JSONL or text)")
     tn.add_argument("--per-category", type=int, default=1)
     tn.add_argument("--limit", type=int, default=8)
@@ -107,13 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _llm(cfg: RunConfig):
-    from specjax.api import LLM
-
-    return LLM(cfg.model.model, cfg.model.dtype, backend=cfg.backend.backend,
-               attention_impl=cfg.backend.attention_impl, max_context=cfg.model.max_context)
-
-
 def _spec(cfg: RunConfig):
     return cfg.speculative if cfg.speculative.enabled else None
 
@@ -127,10 +90,10 @@ def _timed(llm, prompts, cfg, spec, chat):
 
 
 def cmd_generate(args) -> int:
-    cfg = load_run_config(args.config, _shortcut_overrides(args))
+    cfg = load_run_config(args.config, shortcut_overrides(args))
     prompts = list(args.prompts) or list(cfg.prompts) or [DEMO_PROMPT]
     chat = not args.raw
-    llm = _llm(cfg)
+    llm = make_llm(cfg)
     spec = _spec(cfg)
     print(f"model {cfg.model.model} ({llm.source.kind}: {llm.source.path}), dtype {cfg.model.dtype}, "
           f"method {cfg.speculative.method or 'plain'}"
@@ -170,8 +133,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    cfg = load_run_config(args.config, _shortcut_overrides(args))
-    llm = _llm(cfg)
+    cfg = load_run_config(args.config, shortcut_overrides(args))
+    llm = make_llm(cfg)
     messages: list[dict] = []
     print("specjax chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -197,31 +160,32 @@ def cmd_chat(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from specjax.bench_cli import run
+    from specjax.cli.bench import run
 
     return run(args)
 
 
 def cmd_batch(args) -> int:
-    from specjax.batch import run
+    from specjax.cli.batch import run
 
     return run(args)
 
 
 def cmd_compare(args) -> int:
-    from specjax.compare import run
+    from specjax.tools.compare import run
 
     return run(args)
 
 
 def cmd_tune(args) -> int:
-    from specjax import bench, tune
+    from specjax.tools import bench
+    from specjax.tools import tune
 
-    cfg = load_run_config(args.config, _shortcut_overrides(args))
+    cfg = load_run_config(args.config, shortcut_overrides(args))
     if not cfg.speculative.enabled:
         raise ConfigError("tune needs a speculative method: pass --config methods/<name> or --method")
     prompts = [p.turns[0] for p in bench.load_prompts(args.dataset, per_category=args.per_category, limit=args.limit)]
-    llm = _llm(cfg)
+    llm = make_llm(cfg)
     try:
         result = tune.tune(llm, cfg.speculative, prompts, args.gammas, cfg.sampling.max_new_tokens,
                            validate=not args.no_validate, tree_sizes=args.tree_sizes, reps=args.reps,
@@ -241,24 +205,6 @@ def cmd_configs(args) -> int:
         return 0
     print(to_yaml(load_run_config(args.name, args.set or [])), end="")
     return 0
-
-
-def user_errors() -> tuple[type[Exception], ...]:
-    """specjax's own error types: each carries a one-line message meant for the user (no traceback)."""
-    from specjax.api import RequestError
-    from specjax.models.loading import ModelLoadError
-    from specjax.models.tokenizer import TokenizerError
-    from specjax.spec_api import SpeculativeConfigError
-    from specjax.bench import DatasetError
-    from specjax.tree import TreeError
-
-    from specjax.drafters.eagle import EagleDrafterError
-    from specjax.heads.eagle import HeadConfigError
-    from specjax.heads.medusa import MedusaError
-    from specjax.heads_io import HeadFormatError
-
-    return (DatasetError, ConfigError, ModelLoadError, RequestError, TokenizerError, SpeculativeConfigError, TreeError,
-            EagleDrafterError, HeadConfigError, MedusaError, HeadFormatError)
 
 
 def cmd_train_head(args) -> int:

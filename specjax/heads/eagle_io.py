@@ -34,6 +34,7 @@ import numpy as np
 
 from specjax.heads.eagle import HeadConfig, HeadConfigError, default_eagle3_layers, param_shapes
 from specjax.models.llama import LlamaConfig
+from specjax.errors import SpecjaxError
 
 SPECJAX_KEY = "specjax_head"
 _PICKLE_HINT = ("{path}: pickled PyTorch checkpoints are not loaded (unpickling runs arbitrary code); convert it once "
@@ -50,7 +51,7 @@ _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 _IGNORED = ("embed_tokens.weight",)  # the target's embedding, copied into some releases
 
 
-class HeadFormatError(ValueError):
+class HeadFormatError(SpecjaxError, ValueError):
     """A head file is missing, unreadable, of an unknown format or internally inconsistent."""
 
 

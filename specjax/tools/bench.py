@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specjax.config import ConfigError, SamplingParams, SpeculativeConfig, load_run_config, to_dict
+from specjax.errors import SpecjaxError
 
 LOSSY_TAG = "LOSSY"  # appended to the label of every configuration whose acceptance is not exact
 
@@ -39,7 +40,7 @@ class BenchPrompt:
     turns: tuple[str, ...]
 
 
-class DatasetError(ValueError):
+class DatasetError(SpecjaxError, ValueError):
     """A dataset file could not be read; the message names the file and line."""
 
 
@@ -126,7 +127,7 @@ def _fastest(call, reps: int, llm=None):
     only the time differs): on a shared machine the fastest run is the least disturbed one. With `llm`, what a
     generation teaches the next (suffix index, back-off priors; `spec_api.learned_state`) is reset before every
     repetition, so each one starts where the first did instead of replaying its own answer."""
-    from specjax.spec_api import learned_state, restore_learned
+    from specjax.runners.speculative import learned_state, restore_learned
 
     saved = learned_state(llm) if llm is not None and reps > 1 else None
     best = None
@@ -302,7 +303,7 @@ def greedy_equal(batch1: Sequence[dict], token_ids: Sequence[Sequence[int]]) -> 
 def run_profile(llm, prompts: Sequence[BenchPrompt], spec: SpeculativeConfig, sampling: SamplingParams) -> dict:
     """Draft against verify time at batch 1 over `prompts` (first turns), through the host-stepped loop:
     `LLM.generate` has no profile switch, so this calls `spec_api.generate(..., profile=True)` as it does."""
-    from specjax import spec_api
+    from specjax.runners import speculative as spec_api
 
     warm: set = set()
     draft = verify = 0.0  # seconds

@@ -16,7 +16,7 @@ import time
 
 import jax
 
-from specjax import bench
+from specjax.tools import bench
 from specjax.config import SamplingParams
 
 

@@ -17,9 +17,9 @@ Metrics: per unroll step top-1 agreement with the target's greedy token; on the 
 acceptance alpha_j = P(step j right | steps < j right), which on greedy text is exactly what a top-1 chain
 would get accepted (full vocabulary for EAGLE-1/2).
 
-Run: `python -m specjax.train.heads --kind eagle|eagle3 --data FILE --out DIR` (see --help). Orbax checkpoints
+Run: `python -m specjax.train.eagle --kind eagle|eagle3 --data FILE --out DIR` (see --help). Orbax checkpoints
 every N steps; rerunning the same command resumes. The head is exported (bf16, in the EAGLE or EAGLE-3 release
-format, see `specjax.heads_io`) to OUT/head with training curves as PNG.
+format, see `specjax.heads.eagle_io`) to OUT/head with training curves as PNG.
 """
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ from specjax.heads.eagle import HeadConfig, default_eagle3_layers, head_config, 
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward
 from specjax.train.common import checkpoint_manager as _checkpoint_manager, make_optimizer, pyplot_or_none, read_metrics as _read_metrics
+from specjax.errors import SpecjaxError
 
 
-class HeadTrainError(ValueError):
+class HeadTrainError(SpecjaxError, ValueError):
     """A head training run cannot start or continue as asked; the message says how to fix it."""
 
 
@@ -313,10 +314,10 @@ def train(args) -> dict:
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
-    from specjax.heads_io import save_head
+    from specjax.heads.eagle_io import save_head
     from specjax.models.loading import load_model
     from specjax.train.data import load_dataset
-    from specjax.train.draft import select_draft_vocab
+    from specjax.train.draft_model import select_draft_vocab
 
     os.makedirs(args.out, exist_ok=True)
     run = {k: getattr(args, k) for k in _RUN_KEYS}
@@ -529,7 +530,7 @@ def _layers_arg(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line options (also read by `specjax train-head` to check YAML keys)."""
-    ap = argparse.ArgumentParser(prog="python -m specjax.train.heads",
+    ap = argparse.ArgumentParser(prog="python -m specjax.train.eagle",
                                  description="Train an EAGLE-1/2 or EAGLE-3 head on self-distillation data; rerun "
                                              "the same command to resume.")
     ap.add_argument("--kind", choices=("eagle", "eagle3"), required=True)

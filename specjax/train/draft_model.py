@@ -16,7 +16,7 @@ Format (a directory):
 Draft logits are over the Vd entries; the full-vocabulary distribution puts them at target ids d2t and
 zero elsewhere.
 
-Training (`python -m specjax.train.draft --data FILE --out DIR --steps N`): layers initialised from chosen
+Training (`python -m specjax.train.draft_model --data FILE --out DIR --steps N`): layers initialised from chosen
 target layers, trained with AdamW (warmup + cosine) on the response tokens of self-distillation data
 (`specjax.train.data`) against the target's top-k distribution restricted to the draft vocabulary, plus an
 optional cross-entropy on the target's greedy token. Orbax checkpoints every N steps; rerunning the same
@@ -39,6 +39,7 @@ import numpy as np
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward
 from specjax.train.common import checkpoint_manager as _checkpoint_manager, make_optimizer, pyplot_or_none, read_metrics as _read_metrics
+from specjax.errors import SpecjaxError
 
 DRAFT_KEY = "specjax_draft"
 _LAYER_NAMES = {  # specjax layer param -> HF tensor suffix; matrices are stored transposed ([out, in])
@@ -50,7 +51,7 @@ _LAYER_NAMES = {  # specjax layer param -> HF tensor suffix; matrices are stored
 _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-class DraftError(ValueError):
+class DraftError(SpecjaxError, ValueError):
     """A draft model cannot be saved, loaded or trained as asked; the message says how to fix it."""
 
 
@@ -147,7 +148,7 @@ def load_draft(path: str, target_params: dict, dtype=None) -> tuple[LlamaConfig,
     for p in (cfg_path, st_path):
         if not os.path.isfile(p):
             raise DraftError(f"draft directory {path!r} has no {os.path.basename(p)}; "
-                             "train and save one with `python -m specjax.train.draft`")
+                             "train and save one with `python -m specjax.train.draft_model`")
     try:
         with open(cfg_path) as f:
             raw = json.load(f)
@@ -564,7 +565,7 @@ def _layers_arg(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line options (also read by `specjax train-head` to check YAML keys)."""
-    ap = argparse.ArgumentParser(prog="python -m specjax.train.draft",
+    ap = argparse.ArgumentParser(prog="python -m specjax.train.draft_model",
                                  description="Distil a small draft model from the target; rerun to resume.")
     ap.add_argument("--data", required=True, help=".npz from `python -m specjax.train.data`")
     ap.add_argument("--out", required=True, help="run directory (checkpoints, metrics, d2t, exported draft)")

@@ -42,13 +42,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from specjax.config import ConfigError, SamplingParams, SpeculativeConfig, merge
+from specjax.errors import SpecjaxError
 
 # JAX and the engines are imported where they are used: `specjax --help` builds this module's argument parser and
 # should not pay for importing JAX.
 _NOT_JSONL_SUFFIXES = (".csv", ".tsv", ".parquet", ".arrow", ".xlsx", ".xls", ".pkl", ".pickle")
 
 
-class BatchError(ValueError):
+class BatchError(SpecjaxError, ValueError):
     """The job cannot start: unreadable or non-JSONL input, unwritable output, unsupported method."""
 
 
@@ -490,7 +491,8 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
     err: stream for problems, progress and the summary (default sys.stderr).
     Raises BatchError before any work when the files or the method cannot be used; bad lines only warn.
     """
-    from specjax import engine, spec_api
+    from specjax import engine
+    from specjax.runners import speculative as spec_api
 
     err = err or sys.stderr
     t_start = time.perf_counter()
@@ -610,7 +612,7 @@ def _record(llm, req: Request, s: int, host, finish, seconds: float, spec, summa
     metrics = {"prompt_tokens": len(req.token_ids), "new_tokens": len(ids), "time_s": round(seconds, 4)}
     summary.new_tokens += len(ids)
     if stats is not None:
-        from specjax import spec_api
+        from specjax.runners import speculative as spec_api
 
         m = spec_api.spec_metrics(stats, s, None, None, spec.is_lossy)
         metrics.update(drafted=m["drafted"], accepted=m["accepted"], acceptance_rate=round(m["acceptance_rate"], 4),
@@ -632,68 +634,3 @@ def _progress_bar(total: int, err):
     except ImportError:  # tqdm is optional: without it only the summary is printed
         return None
     return tqdm(total=total, desc="batch", unit="req", file=err, dynamic_ncols=True)
-
-
-# ----------------------------------------------------------------------------------------------------- CLI
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`specjax batch INPUT OUTPUT [options]`: the config flags of `generate` plus the batch options."""
-    from specjax.cli import _common
-
-    p.add_argument("input", help="JSONL input: one {\"id\": ..., \"prompt\" or \"messages\": ..., "
-                                 "\"sampling\": {...}} object per line")
-    p.add_argument("output", help="JSONL output; results already there are skipped (resume)")
-    _common(p)
-    p.add_argument("-b", "--batch-size", dest="batch_size", type=int,
-                   help="sequences decoded together (default 8, or the config's batch_size when --set)")
-    p.add_argument("--chat", action="store_true", help="wrap plain-text prompts in the model's chat template")
-    p.add_argument("--max-steps", dest="max_steps", type=int, default=32,
-                   help="decode steps between host check-ins at most (default 32)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-
-
-def run(args) -> int:
-    """Run `specjax batch`. Exit status 0 when every input line was served, 1 when bad lines were skipped,
-    2 on errors that stop the job before it starts, 130 on Ctrl-C (rerun the command to resume)."""
-    from specjax.cli import _llm, _shortcut_overrides
-    from specjax.config import load_run_config
-
-    try:
-        check_paths(args.input, args.output)
-        # A default batch size of 8 sits under the user's overrides, so `--set batch_size=N` still wins.
-        overrides = ["batch_size=8"] + _shortcut_overrides(args)
-        if args.batch_size is not None:
-            overrides.append(f"batch_size={args.batch_size}")
-        cfg = load_run_config(args.config, overrides)
-        llm = _llm(cfg)
-        spec = cfg.speculative if cfg.speculative.enabled else None
-        summary = run_job(llm, args.input, args.output, sampling=cfg.sampling, speculative=spec,
-                          batch_size=cfg.batch_size, chat=args.chat, max_steps=args.max_steps,
-                          progress=args.progress)
-    except BatchError as e:
-        print(f"specjax: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"specjax batch: interrupted; finished results are in {args.output!r}, rerun the same command to "
-              "resume", file=sys.stderr)
-        return 130
-    return 1 if summary.skipped_lines else 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m specjax.batch INPUT OUTPUT ...` (the same as `specjax batch`)."""
-    p = argparse.ArgumentParser(prog="specjax batch", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    from specjax.cli import user_errors
-
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except user_errors() as e:
-        print(f"specjax: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

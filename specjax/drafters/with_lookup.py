@@ -23,9 +23,10 @@ import jax.numpy as jnp
 from specjax.drafters.base import DraftContext, Proposal
 from specjax.drafters.ngram import NgramDrafter
 from specjax.tree import TreeSpec
+from specjax.errors import SpecjaxError
 
 
-class MergedDrafterError(ValueError):
+class MergedDrafterError(SpecjaxError, ValueError):
     """A lookup cannot be merged into this drafter's tree; the message says why and what to change."""
 
 

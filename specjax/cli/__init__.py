@@ -1,0 +1,4 @@
+"""The `specjax` command line."""
+from specjax.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,66 @@
+"""`specjax batch INPUT OUTPUT [options]`: the command line of the batch job (`specjax.runners.batch.run_job`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from specjax.cli.common import add_config_flags, make_llm, shortcut_overrides, user_errors
+from specjax.config import load_run_config
+from specjax.runners.batch import BatchError, check_paths, run_job
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`specjax batch INPUT OUTPUT [options]`: the config flags of `generate` plus the batch options."""
+    p.add_argument("input", help="JSONL input: one {\"id\": ..., \"prompt\" or \"messages\": ..., "
+                                 "\"sampling\": {...}} object per line")
+    p.add_argument("output", help="JSONL output; results already there are skipped (resume)")
+    add_config_flags(p)
+    p.add_argument("-b", "--batch-size", dest="batch_size", type=int,
+                   help="sequences decoded together (default 8, or the config's batch_size when --set)")
+    p.add_argument("--chat", action="store_true", help="wrap plain-text prompts in the model's chat template")
+    p.add_argument("--max-steps", dest="max_steps", type=int, default=32,
+                   help="decode steps between host check-ins at most (default 32)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def run(args) -> int:
+    """Run `specjax batch`. Exit status 0 when every input line was served, 1 when bad lines were skipped,
+    2 on errors that stop the job before it starts, 130 on Ctrl-C (rerun the command to resume)."""
+
+    try:
+        check_paths(args.input, args.output)
+        # A default batch size of 8 sits under the user's overrides, so `--set batch_size=N` still wins.
+        overrides = ["batch_size=8"] + shortcut_overrides(args)
+        if args.batch_size is not None:
+            overrides.append(f"batch_size={args.batch_size}")
+        cfg = load_run_config(args.config, overrides)
+        llm = make_llm(cfg)
+        spec = cfg.speculative if cfg.speculative.enabled else None
+        summary = run_job(llm, args.input, args.output, sampling=cfg.sampling, speculative=spec,
+                          batch_size=cfg.batch_size, chat=args.chat, max_steps=args.max_steps,
+                          progress=args.progress)
+    except BatchError as e:
+        print(f"specjax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"specjax batch: interrupted; finished results are in {args.output!r}, rerun the same command to "
+              "resume", file=sys.stderr)
+        return 130
+    return 1 if summary.skipped_lines else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m specjax.runners.batch INPUT OUTPUT ...` (the same as `specjax batch`)."""
+    p = argparse.ArgumentParser(prog="specjax batch", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except user_errors() as e:
+        print(f"specjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""The one error hierarchy: every error specjax raises for a problem the user can fix derives from `SpecjaxError`,
+and also from the builtin it is (ValueError for bad input, RuntimeError for an environment that cannot run the
+request), so `except specjax.SpecjaxError` catches them all and existing `except ValueError` clauses keep working.
+
+This module imports nothing: it sits below every other module, the remapped `specjax.kernels` and
+`specjax.backends` folders included.
+"""
+
+
+class SpecjaxError(Exception):
+    """Base of every specjax error; its message names the problem and how to fix it."""

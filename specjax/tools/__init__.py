@@ -1,0 +1,1 @@
+"""Tools on top of the API: benchmark, reports, tuning, peer engines, comparisons."""
