@@ -12,34 +12,30 @@ limits decide how the program is shaped here (see docs/neuron.md):
   key: without the context a program traced for one policy could be reused under the other;
 * no host callbacks, sort-free top-k/top-p (`specjax.sampling` already is);
 * every shape fixed at compile time: shapes come from a bucket table (batch 1/2/4/8, power-of-two prompt,
-  output and KV capacity, tree size from the drafter) compiled ahead of time by `NeuronRunner.warmup`; a run
-  afterwards calls the compiled executables directly, so it cannot trigger a compilation.
+  output and KV capacity, tree size from the drafter) compiled ahead of time by
+  `runners.neuron.NeuronRunner.warmup`; a run afterwards calls the compiled executables directly, so it cannot trigger a compilation.
 
 `backends.jaxpr_check` enforces the rules on every entry point and bucket (`check_entry_points`). Without the
 Neuron SDK (as on every machine specjax is tested on) the same program runs on the platform JAX has, which
-`generate_neuron` says once.
+`runners.neuron.generate_neuron` says once (`note_platform`).
+
+This module holds the policy only (buckets, tracing scope, errors, checking, compile counting); the runner that
+compiles and steps the entry points is `specjax.runners.neuron`.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib.util
 import logging
-import time
 import warnings
-import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from specjax import engine, spec_engine
 from specjax.backends.jaxpr_check import JaxprReport, PolicyViolationError, check_jaxpr, hlo_census
 from specjax.backends.registry import CompilePolicy, get_compile_policy
-from specjax.engine import Buckets
-from specjax.sampling import SamplingArrays
+from specjax.buckets import Buckets
 from specjax.errors import SpecjaxError
 
 __all__ = [
@@ -49,16 +45,14 @@ __all__ = [
     "NeuronBucketError",
     "NeuronFallbackWarning",
     "NeuronPolicyError",
-    "NeuronRunner",
     "PolicyViolationError",
     "bucket_for",
+    "bucket_name",
     "bucket_table",
     "check_entry_points",
     "count_compilations",
-    "generate_neuron",
     "neuron_available",
     "neuron_tracing",
-    "runner_for",
 ]
 
 logger = logging.getLogger("specjax.neuron")
@@ -102,7 +96,7 @@ def neuron_available() -> bool:
 _NOTED: set[str] = set()
 
 
-def _note_platform() -> None:
+def note_platform() -> None:
     """Say once per process and platform that the Neuron-policy program runs elsewhere."""
     plat = jax.default_backend()
     if plat == "neuron" or plat in _NOTED:
@@ -210,221 +204,14 @@ def count_compilations():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-# ----------------------------------------------------------------------------------------------- entry points
-# Pure functions of arrays only; static settings are bound with functools.partial before jitting.
-
-
-def _plain_prefill(params, prompts, prompt_lens, active, sampling, *, config, buckets):
-    return engine.prefill(params, config, buckets, prompts, prompt_lens, active, sampling)
-
-
-def _plain_step(params, state, sampling, *, config, steps, allow_cond=False):
-    for _ in range(steps):  # unrolled at trace time: no loop in the program
-        state = engine.decode_step(params, config, state, sampling, allow_cond=allow_cond)
-    return state
-
-
-def _spec_prefill(params, dparams, prompts, prompt_lens, active, sampling, *, config, drafter, buckets):
-    return spec_engine.spec_prefill(params, config, dparams, drafter, buckets, prompts, prompt_lens, active, sampling)
-
-
-def _fused_step(params, dparams, state, sampling, *, config, drafter, steps, allow_cond=False):
-    for _ in range(steps):
-        state = spec_engine.spec_step(params, config, dparams, drafter, state, sampling, None, allow_cond=allow_cond)
-    return state
-
-
-def _abstract(tree):
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
-
-
-def _sampling_spec(b: Buckets) -> SamplingArrays:
-    f, i = jnp.float32, jnp.int32
-    S = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
-    return SamplingArrays(S((b.batch,), f), S((b.batch,), i), S((b.batch,), f), S((b.batch,), jnp.uint32),
-                          S((b.batch,), i), S((b.batch, b.num_stop), i))
-
-
-@dataclasses.dataclass
-class _Compiled:
-    prefill: Any  # jax.stages.Compiled
-    step: Any
-    reports: dict  # entry name -> JaxprReport (None when warmed up without checking)
-    seconds: float  # trace + lower + compile time of both entry points
-
-
-class NeuronRunner:
-    """AOT-compiled Neuron entry points for one target (and optionally one drafter), per bucket.
-
-    Entry points (each one jitted program per bucket):
-      "prefill": prefill the target (and drafter); emits each sequence's first token.
-      "step": one fused step for every sequence, `steps_per_call` times unrolled: propose + verify + accept +
-        compact (`spec_step` with allow_cond=policy.allows_cond, False under Neuron) with a drafter,
-        `engine.decode_step` without. The state is donated, so the KV caches are updated in place.
-    `run` loops "step" from the host until every real sequence finished.
-
-    Args:
-      params, config: the target model.
-      drafter, dparams: a device drafter (n-gram, draft model, feature drafters) and its weights; None = plain.
-      steps_per_call: fused steps per compiled call (unrolled at trace time).
-      policy: the CompilePolicy to trace and check under (default: Neuron's).
-    """
-
-    ENTRY_POINTS = ("prefill", "step")
-
-    def __init__(self, params: dict, config, drafter=None, dparams=None, *, steps_per_call: int = 1,
-                 policy: CompilePolicy | None = None):
-        if steps_per_call < 1:
-            raise NeuronPolicyError(f"steps_per_call must be >= 1, got {steps_per_call}")
-        if drafter is not None and getattr(drafter, "host_side", False):
-            raise NeuronPolicyError(
-                f"{type(drafter).__name__} proposes on the host; the Neuron runner fuses drafting into the "
-                "compiled step, so use a device drafter ('ngram' or 'draft_model')")
-        self.params = params
-        self.config = config
-        self.drafter = drafter
-        self.dparams = {} if dparams is None else dparams
-        self.steps_per_call = steps_per_call
-        self.policy = policy or get_compile_policy("neuron")
-        self._compiled: dict[Buckets, _Compiled] = {}
-        self._jitted: dict[Buckets, dict] = {}
-
-    @property
-    def tree_nodes(self) -> int:
-        """KV slots one step writes past the committed length."""
-        return 1 if self.drafter is None else self.drafter.tree.num_nodes
-
-    def jitted(self, bucket: Buckets) -> dict[str, tuple[Callable, tuple]]:
-        """{entry name: (jitted function, abstract arguments)} for one bucket.
-
-        Nothing is compiled; the prefill is traced once, abstractly, for the shapes of the state the step takes.
-        """
-        if bucket in self._jitted:
-            return self._jitted[bucket]
-        b, c = bucket, self.config
-        P = _abstract(self.params)
-        tok = jax.ShapeDtypeStruct((b.batch, b.prompt_len), jnp.int32)
-        lens = jax.ShapeDtypeStruct((b.batch,), jnp.int32)
-        act = jax.ShapeDtypeStruct((b.batch,), jnp.bool_)
-        samp = _sampling_spec(b)
-        if self.drafter is None:
-            pre = jax.jit(functools.partial(_plain_prefill, config=c, buckets=b))
-            pre_args = (P, tok, lens, act, samp)
-            step = jax.jit(functools.partial(_plain_step, config=c, steps=self.steps_per_call,
-                                             allow_cond=self.policy.allows_cond), donate_argnums=(1,))
-        else:
-            D = _abstract(self.dparams)
-            pre = jax.jit(functools.partial(_spec_prefill, config=c, drafter=self.drafter, buckets=b))
-            pre_args = (P, D, tok, lens, act, samp)
-            step = jax.jit(functools.partial(_fused_step, config=c, drafter=self.drafter, steps=self.steps_per_call,
-                                             allow_cond=self.policy.allows_cond), donate_argnums=(2,))
-        with neuron_tracing(self.policy):
-            state = jax.eval_shape(pre, *pre_args)
-        step_args = (P, state, samp) if self.drafter is None else (P, D, state, samp)
-        self._jitted[bucket] = {"prefill": (pre, pre_args), "step": (step, step_args)}
-        return self._jitted[bucket]
-
-    def trace(self, bucket: Buckets, name: str):
-        """jax.stages.Traced of one entry point under the Neuron policy (its `.jaxpr` is what is checked)."""
-        fn, args = self.jitted(bucket)[name]
-        with neuron_tracing(self.policy):
-            return fn.trace(*args)
-
-    def warmup(self, buckets: Iterable[Buckets], *, check: bool = True, hlo: bool = False) -> dict[Buckets, float]:
-        """Trace, check, lower and compile every entry point for every bucket (ahead of time).
-
-        check: run the jaxpr checker and raise PolicyViolationError on errors (warnings are kept in `reports`).
-        hlo: also count the ops of the lowered StableHLO into the reports.
-        Returns {bucket: seconds spent}; buckets already compiled are skipped (0 s).
-        """
-        out = {}
-        for b in buckets:
-            if b in self._compiled:
-                out[b] = 0.0
-                continue
-            if b.capacity < b.prompt_len + b.max_new + self.tree_nodes:
-                raise NeuronBucketError(
-                    f"bucket capacity {b.capacity} < prompt {b.prompt_len} + max_new {b.max_new} + "
-                    f"{self.tree_nodes} tree slots; build buckets with bucket_table(..., tree_nodes="
-                    f"{self.tree_nodes})")
-            t0 = time.perf_counter()
-            lowered, reports = {}, {}
-            # Check every entry point before compiling any: a violation costs only traces.
-            for name, (fn, args) in self.jitted(b).items():
-                with neuron_tracing(self.policy):
-                    traced = fn.trace(*args)
-                    lowered[name] = traced.lower()
-                report = None
-                if check:
-                    report = check_jaxpr(traced.jaxpr, self.policy, name=f"{name} {_bucket_name(b)}")
-                    if hlo:
-                        report = hlo_census(report, lowered[name].as_text())
-                    report.raise_for_errors()
-                reports[name] = report
-            compiled = {name: low.compile() for name, low in lowered.items()}
-            seconds = time.perf_counter() - t0
-            self._compiled[b] = _Compiled(compiled["prefill"], compiled["step"], reports, seconds)
-            logger.info("compiled Neuron bucket %s in %.1f s", _bucket_name(b), seconds)
-            out[b] = seconds
-        return out
-
-    def compiled_buckets(self) -> tuple[Buckets, ...]:
-        return tuple(self._compiled)
-
-    def reports(self, bucket: Buckets) -> dict[str, JaxprReport | None]:
-        """The checker's reports of a warmed-up bucket."""
-        return dict(self._entry(bucket).reports)
-
-    def _entry(self, bucket: Buckets) -> _Compiled:
-        got = self._compiled.get(bucket)
-        if got is None:
-            raise NeuronBucketError(f"bucket {_bucket_name(bucket)} was not compiled; call warmup([bucket]) first")
-        return got
-
-    def prefill(self, bucket: Buckets, prompts, prompt_lens, active, sampling: SamplingArrays):
-        """Run the compiled prefill: prompts [B, P] int32, prompt_lens [B] int32, active [B] bool."""
-        c = self._entry(bucket)
-        if self.drafter is None:
-            return c.prefill(self.params, prompts, prompt_lens, active, sampling)
-        return c.prefill(self.params, self.dparams, prompts, prompt_lens, active, sampling)
-
-    def step(self, bucket: Buckets, state, sampling: SamplingArrays):
-        """Run the compiled fused step once (`steps_per_call` steps); `state` is donated."""
-        c = self._entry(bucket)
-        if self.drafter is None:
-            return c.step(self.params, state, sampling)
-        return c.step(self.params, self.dparams, state, sampling)
-
-    def run(self, bucket: Buckets, prompts, prompt_lens, active, sampling: SamplingArrays, num_real: int):
-        """Prefill, then step from the host until the first `num_real` rows finished.
-
-        Returns (final state, number of step calls, prefill seconds). Every step emits at least one token per
-        running sequence, so the loop ends within max_new calls; more would be an engine bug and raises.
-        """
-        t0 = time.perf_counter()
-        state = self.prefill(bucket, prompts, prompt_lens, active, sampling)
-        dec = lambda s: s if self.drafter is None else s.dec
-        jax.block_until_ready(dec(state).last_token)
-        t_prefill = time.perf_counter() - t0
-        calls = 0
-        limit = -(-bucket.max_new // self.steps_per_call) + 1
-        while np.any(np.asarray(dec(state).finish)[:num_real] == engine.FINISH_RUNNING):
-            if calls >= limit:
-                raise RuntimeError(f"generation did not finish within {limit} fused steps of bucket "
-                                   f"{_bucket_name(bucket)}; a running sequence emitted nothing")
-            state = self.step(bucket, state, sampling)
-            calls += 1
-        return state, calls, t_prefill
-
-
-def _bucket_name(b: Buckets) -> str:
+def bucket_name(b: Buckets) -> str:
     return f"b{b.batch}/p{b.prompt_len}/n{b.max_new}/s{b.capacity}"
 
 
 # ----------------------------------------------------------------------------------------------- checking
 
 
-def check_entry_points(runner: NeuronRunner, buckets: Iterable[Buckets], *, hlo: bool = False
+def check_entry_points(runner, buckets: Iterable[Buckets], *, hlo: bool = False
                        ) -> dict[tuple[Buckets, str], JaxprReport]:
     """Check every entry point of `runner` for every bucket against its policy (nothing is compiled).
 
@@ -436,85 +223,6 @@ def check_entry_points(runner: NeuronRunner, buckets: Iterable[Buckets], *, hlo:
             with neuron_tracing(runner.policy):
                 traced = fn.trace(*args)
                 text = traced.lower().as_text() if hlo else None
-            report = check_jaxpr(traced.jaxpr, runner.policy, name=f"{name} {_bucket_name(b)}")
+            report = check_jaxpr(traced.jaxpr, runner.policy, name=f"{name} {bucket_name(b)}")
             out[(b, name)] = hlo_census(report, text) if hlo else report
     return out
-
-
-# ----------------------------------------------------------------------------------------------- generation
-
-_RUNNERS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-
-
-def runner_for(llm, drafter=None, dparams=None, steps_per_call: int = 1) -> NeuronRunner:
-    """The NeuronRunner generate_neuron uses for this LLM and drafter (created once, kept while the LLM lives)."""
-    cache = _RUNNERS.setdefault(llm, {})
-    key = (drafter, steps_per_call)
-    if key not in cache:
-        cache[key] = NeuronRunner(llm.params, llm.config, drafter, dparams, steps_per_call=steps_per_call)
-    return cache[key]
-
-
-def _device_inputs(llm, ids: list[list[int]], params: list, b: Buckets):
-    """(prompts [B, P], prompt_lens [B], active [B], SamplingArrays) on the device, built in NumPy and
-    transferred by the API's own helpers, so nothing compiles for a new bucket shape during a generation."""
-    from specjax.api import pad_prompts
-
-    tokens, lens, active = pad_prompts(ids, b.batch, b.prompt_len)
-    return tokens, lens, active, llm.sampling_arrays(list(params), b.batch, b.num_stop)
-
-
-def generate_neuron(llm, prompts_token_ids, sampling_params=None, speculative_config=None, *,
-                    table: BucketTable | None = None, steps_per_call: int = 1):
-    """Generate under the Neuron policy on whatever platform JAX has (says so once when it is not Neuron).
-
-    Args:
-      llm: a specjax.api.LLM.
-      prompts_token_ids: a list of token-id lists (or one list).
-      sampling_params: one SamplingParams/dict for all prompts, or one per prompt (None: defaults).
-      speculative_config: None (plain decoding), a dict or a SpeculativeConfig with a device drafter
-        ('ngram' or 'draft_model').
-      table: the bucket table to pick from (default: the smallest power-of-two bucket for this batch);
-        buckets not yet compiled are compiled (and checked) on first use.
-      steps_per_call: fused steps per compiled call (unrolled; fewer host round trips, longer compiles).
-    Returns:
-      list[RequestOutput], as LLM.generate. Sampled tokens use the rbg PRNG, so they differ from the default
-      path's for the same seed; greedy output is the same.
-    """
-    from specjax.runners import speculative as spec_api
-    from specjax.config import SpeculativeConfig
-
-    _note_platform()
-    prompts, params = llm._normalise(prompts_token_ids, sampling_params)
-    ids = [llm.encode_prompt(p, False) for p in prompts]
-    spec = SpeculativeConfig.from_user(speculative_config)
-    drafter = dparams = None
-    if spec.enabled:
-        drafter, dparams = spec_api.build_drafter(llm, spec)
-        if getattr(drafter, "host_side", False):
-            raise NeuronPolicyError(
-                f"speculative method {spec.method!r} proposes on the host; under the Neuron policy drafting is "
-                "fused into the compiled step: use 'ngram' or 'draft_model'")
-    runner = runner_for(llm, drafter, dparams, steps_per_call)
-    for i, (t, sp) in enumerate(zip(ids, params)):
-        llm._check(i, t, sp, runner.tree_nodes if drafter is not None else 0)
-    n = len(ids)
-    max_prompt, max_new = max(map(len, ids)), max(p.max_new_tokens for p in params)
-    bucket = (table.select(n, max_prompt, max_new) if table is not None
-              else bucket_for(n, max_prompt, max_new, runner.tree_nodes))
-    runner.warmup([bucket])
-    tokens, lens, active, sampling = _device_inputs(llm, ids, params, bucket)
-    t0 = time.perf_counter()
-    state, _, ttft = runner.run(bucket, tokens, lens, active, sampling, n)
-    dec = state if drafter is None else state.dec
-    out_tokens, num_new, finish = (np.asarray(a) for a in (dec.out_tokens, dec.num_new, dec.finish))
-    total = time.perf_counter() - t0
-    stats = None if drafter is None else jax.device_get(state.stats)  # host copies: no eager device ops
-    outs = []
-    for i in range(n):
-        extra = {}
-        if stats is not None:
-            extra = spec_api.spec_metrics(stats, i, None, None, spec.is_lossy)
-        outs.append(llm._output(prompts[i], ids[i], out_tokens[i, :num_new[i]], finish[i], ttft, total, **extra))
-    return outs
-

@@ -11,50 +11,18 @@ speculative engine shares.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from specjax.buckets import PREFILL_CHUNK, Buckets, make_buckets  # noqa: F401  (re-exported: engine.Buckets)
 from specjax.kv_cache import KVCache, init_cache
 from specjax.models.llama import LlamaConfig, forward
 from specjax.sampling import SamplingArrays, process_logits, sample, uniforms
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """Static shapes of one compiled program."""
-
-    batch: int  # sequences per call (padded with inactive rows)
-    prompt_len: int  # padded prompt length
-    max_new: int  # size of the output buffer (>= every request's max_new_tokens)
-    capacity: int  # KV cache slots per sequence
-    num_stop: int = 4  # stop-id slots per request
-    # Prefill each row by itself in chunks of this many tokens, only as many chunks as its own prompt needs
-    # (0 = the whole [B, prompt_len] block in one forward). See `prefill_core`.
-    prefill_chunk: int = 0
-
-
-PREFILL_CHUNK = 128  # tokens per prefill chunk when the prompt bucket is longer (fastest of 64-512 on CPU)
-
-
-def _pow2(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(0, (n - 1)).bit_length())
-
-
-def make_buckets(batch: int, max_prompt: int, max_new: int, extra_slots: int = 0, num_stop: int = 4) -> Buckets:
-    """Round the request shapes up to buckets; `extra_slots` reserves room for speculative tokens. Prompt buckets
-    longer than PREFILL_CHUNK are prefilled row by row in chunks (a short prompt next to a long one then costs its
-    own length, not the long one's)."""
-    p = _pow2(max_prompt, 16)
-    n = _pow2(max_new, 16)
-    cap = -(-(p + n + extra_slots) // 128) * 128
-    return Buckets(_pow2(batch, 1), p, n, cap, _pow2(max(num_stop, 1), 4),
-                   PREFILL_CHUNK if p > PREFILL_CHUNK else 0)
 
 
 class DecodeState(NamedTuple):
@@ -267,3 +235,66 @@ def decode_loop(params: dict, config: LlamaConfig, state: DecodeState, sampling:
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state
+
+
+def until_free(finish_of, step_fn, state, max_steps: jax.Array):
+    """Step until a running row finishes, nothing runs, or `max_steps` (traced) steps: a continuous-batching host
+    then refills that slot at the earliest step instead of letting it idle until a fixed chunk of steps ends.
+    finish_of(state) -> [B] FINISH_*; step_fn(state) -> state. Pure, not jitted."""
+    count = lambda st: jnp.sum(finish_of(st) == FINISH_RUNNING)
+    start = count(state)
+
+    def cond(carry):
+        st, i = carry
+        n = count(st)
+        return (n == start) & (n > 0) & (i < max_steps)
+
+    def body(carry):
+        st, i = carry
+        return step_fn(st), i + 1
+
+    return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))[0]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention_fn"), donate_argnames=("state",))
+def decode_until_free(params: dict, config: LlamaConfig, state: DecodeState, sampling: SamplingArrays,
+                      max_steps: jax.Array, attention_fn=None) -> DecodeState:
+    """Plain decoding of every slot until one finishes (or `max_steps`, traced). Jitted; `state` donated."""
+    step = lambda st: decode_step(params, config, st, sampling, attention_fn)
+    return until_free(lambda st: st.finish, step, state, max_steps)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def insert_row(state, row, slot: jax.Array):
+    """Copy the batch-1 state `row` into row `slot` (traced int32) of the batch state.
+
+    Every leaf of DecodeState / SpecState is batch-first (KV cache [B, Hkv, S, D] per layer, lengths [B], output
+    [B, max_new], history [B, Hc], stats [B] / [B, D], drafter caches), so one scatter per leaf moves a whole
+    request. Jitted; `state` donated: the caches are updated in place."""
+    return jax.tree_util.tree_map(lambda a, r: a.at[slot].set(r[0]), state, row)
+
+
+# Fixed-shape entry points for compile policies without data-dependent loops (Neuron): the static settings are
+# bound with functools.partial, so the jitted function takes arrays only and can be traced, checked and compiled
+# ahead of time per bucket (`runners.neuron.NeuronRunner`).
+
+
+def _prefill_fixed(params, prompts, prompt_lens, active, sampling, *, config, buckets):
+    return prefill_core(params, config, buckets, prompts, prompt_lens, active, sampling)[0]
+
+
+def _unrolled_steps(params, state, sampling, *, config, steps, allow_cond=False):
+    for _ in range(steps):  # unrolled at trace time: no loop in the program
+        state = decode_step(params, config, state, sampling, allow_cond=allow_cond)
+    return state
+
+
+def prefill_program(config: LlamaConfig, buckets: Buckets):
+    """Jitted prefill(params, prompts [B, P], prompt_lens [B], active [B], sampling) for one bucket."""
+    return jax.jit(functools.partial(_prefill_fixed, config=config, buckets=buckets))
+
+
+def unrolled_step_program(config: LlamaConfig, steps: int, allow_cond: bool):
+    """Jitted step(params, state, sampling): `steps` plain decode steps unrolled (no loop). `state` donated."""
+    return jax.jit(functools.partial(_unrolled_steps, config=config, steps=steps, allow_cond=allow_cond),
+                   donate_argnums=(1,))

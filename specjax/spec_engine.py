@@ -14,7 +14,6 @@ and profiling call `verify_accept` per step from the host with the proposal comp
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, NamedTuple, Sequence
 
@@ -23,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import acceptance
+from specjax.backoff import Adaptive, backoff_decide, backoff_update  # noqa: F401  (spec_engine.Adaptive stays)
 from specjax.drafters.base import DraftContext, Proposal
 from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step_deferred, emit, feature_layers,
-                            prefill_core, target_features)
+                            prefill_core, target_features, until_free)
 from specjax.kv_cache import gather_path, write_path
 from specjax.models.llama import LlamaConfig, forward
 from specjax.sampling import SamplingArrays, process_logits, uniforms
@@ -41,68 +41,6 @@ class SpecStats(NamedTuple):
     pos_drafted: jax.Array  # [B, D] int32 steps that had a valid proposal at depth k + 1
     pos_accepted: jax.Array  # [B, D] int32 steps whose depth k + 1 was accepted
     plain_steps: jax.Array  # [B] int32 steps decoded without speculation (nothing proposed)
-
-
-@dataclasses.dataclass(frozen=True)
-class Adaptive:
-    """Per-sequence back-off, so that speculation is never much slower than plain decoding.
-
-    Each sequence keeps a running mean of accepted tokens per verify step (`gain`; the host seeds it with the
-    previous generation's mean for the same config, or it starts optimistic at `min_gain + 1`). A speculative step yields 1 + gain tokens for the cost of
-    `ratio` plain steps, so it pays while gain >= ratio - 1: that break-even is `min_gain`. Below it the
-    sequence stops speculating (its proposals are masked out, which is lossless: a root-only tree is a plain
-    step) and decodes plainly; after a gap of plain steps it probes again. The gap starts at `probe_every`,
-    doubles after every failed probe up to `probe_every * max_gap_factor`, and resets when a probe succeeds,
-    so a sequence the drafter cannot help pays for few probes. When no sequence of the batch speculates, the
-    step is a plain one-token decode (where the compile policy allows `lax.cond`).
-
-    `min_gain` here is the default; `spec_loop` takes a traced `min_gain` that overrides it, so that a
-    break-even measured on this hardware (`spec_api.calibrate`) changes no compiled program.
-    """
-
-    min_gain: float = 0.3
-    probe_every: int = 16
-    decay: float = 0.7
-    max_gap_factor: int = 8
-    # Seed a request's gain with the previous request's mean (same config and batch bucket; host side, see
-    # `spec_api._remember_gain`). Off for lookups: their acceptance belongs to the prompt, not to the drafter,
-    # and a prior from a prompt with nothing to copy kept the next prompt backed off where copying paid.
-    carry_prior: bool = True
-
-
-def backoff_decide(adaptive: Adaptive, floor, gain, idle, gap, running, xp=jnp):
-    """The back-off decision before a step (pure; `xp` is jax.numpy on device, numpy in the host loop).
-
-    floor [] break-even gain; gain [B] (inf = no verify yet), idle [B], gap [B] (0 = `probe_every`),
-    running [B] bool. Returns (seeded gain [B], gap [B], want [B] bool: the row speculates if the batch does,
-    batch [] bool: the batch speculates). The verify forward costs the same for every row (fixed shapes), so
-    the batch speculates when the mean gain over running rows (non-wanting rows as 0) reaches the
-    break-even, or when some row has been idle for four gaps (so a batch that backed off can find acceptance
-    again)."""
-    g = xp.where(xp.isinf(gain), floor + 1, gain)
-    gap = xp.where(gap == 0, adaptive.probe_every, gap)
-    want = (g >= floor) | (idle >= gap)
-    n_run = xp.maximum(xp.sum(running), 1)
-    batch_gain = xp.sum(xp.where(want & running, xp.maximum(g, floor), 0.0)) / n_run
-    batch = (batch_gain >= floor) | xp.any(running & (idle >= 4 * gap))
-    return g, gap, want, batch
-
-
-def backoff_update(adaptive: Adaptive, floor, gain, g, idle, gap, took, got, xp=jnp):
-    """The back-off state after a verify step (pure). gain [B] as stored, g/gap [B] from `backoff_decide`,
-    took [B] bool: the row took part in the verify (running and wanting to speculate), got [B] accepted tokens.
-
-    A row that took part but had nothing to propose (an n-gram miss) counts as 0 accepted: in a batch the verify
-    forward is paid whenever any row proposes, so a row's gain must be its mean over the verify steps it rode
-    along in, not over its hits only (which kept a batch of rarely-hitting rows speculating at 0.7x). At batch 1
-    a step where the only row has nothing to propose is a plain step, so there the two means coincide.
-    Returns (gain, idle, gap)."""
-    new = adaptive.decay * g + (1 - adaptive.decay) * got
-    failed_probe = took & (g < floor) & (new < floor)
-    limit = adaptive.probe_every * adaptive.max_gap_factor
-    gap = xp.where(failed_probe, xp.minimum(2 * gap, limit),
-                   xp.where(took & (new >= floor), adaptive.probe_every, gap))
-    return xp.where(took, new, gain), xp.where(took, 0, idle + 1), gap
 
 
 class SpecState(NamedTuple):
@@ -305,7 +243,7 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
     force_verify: [] bool (traced), or None = False: take the verify branch even where nothing was proposed (a
     lookup miss verifies the root alone, at a full verify's cost, and emits the target's own token). For timing
     verify steps: a chunk of steps that all verify measures their cost without charging misses at a guessed
-    plain-step cost (`spec_api.calibrate`, `tune.measure_loop_costs`).
+    plain-step cost (`backoff.calibrate`, `tune.measure_loop_costs`).
     """
     running = state.dec.finish == FINISH_RUNNING
     if adaptive is None:
@@ -451,3 +389,36 @@ def plain_step_jit(params, config: LlamaConfig, dparams, drafter, state: SpecSta
 def propose_jit(dparams, drafter, state: SpecState, sampling: SamplingArrays):
     """The drafter's propose step alone (to time drafting apart from verification). Jitted."""
     return drafter.propose(dparams, state.dstate, context(state, sampling))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn", "adaptive"),
+                   donate_argnames=("state",))
+def spec_until_free(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
+                    max_steps: jax.Array, attention_fn=None, adaptive: Adaptive | None = None) -> SpecState:
+    """Speculative steps of every slot until one finishes (or `max_steps`, traced); for continuous batching.
+    Jitted; `state` donated."""
+    step = lambda st: spec_step(params, config, dparams, drafter, st, sampling, attention_fn, adaptive=adaptive)
+    return until_free(lambda st: st.dec.finish, step, state, max_steps)
+
+
+def _spec_prefill_fixed(params, dparams, prompts, prompt_lens, active, sampling, *, config, drafter, buckets):
+    return spec_prefill(params, config, dparams, drafter, buckets, prompts, prompt_lens, active, sampling)
+
+
+def _fused_steps(params, dparams, state, sampling, *, config, drafter, steps, allow_cond=False):
+    for _ in range(steps):  # unrolled at trace time: no loop in the program
+        state = spec_step(params, config, dparams, drafter, state, sampling, None, allow_cond=allow_cond)
+    return state
+
+
+def spec_prefill_program(config: LlamaConfig, drafter, buckets: Buckets):
+    """Jitted prefill(params, dparams, prompts [B, P], prompt_lens [B], active [B], sampling) for one bucket
+    (fixed shapes, for ahead-of-time compilation)."""
+    return jax.jit(functools.partial(_spec_prefill_fixed, config=config, drafter=drafter, buckets=buckets))
+
+
+def fused_step_program(config: LlamaConfig, drafter, steps: int, allow_cond: bool):
+    """Jitted step(params, dparams, state, sampling): `steps` fused propose + verify + accept steps unrolled,
+    with `lax.cond` only when `allow_cond`. `state` donated."""
+    return jax.jit(functools.partial(_fused_steps, config=config, drafter=drafter, steps=steps,
+                                     allow_cond=allow_cond), donate_argnums=(2,))

@@ -21,6 +21,7 @@ from jax.scipy.special import gammaincc
 
 from specjax import engine, spec_engine
 from specjax.api import LLM, pad_prompts
+from specjax.runners.runtime import SpecRuntime
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward, param_shapes
 from specjax.sampling import SamplingArrays
@@ -82,8 +83,8 @@ def tiny_llm(config: LlamaConfig, params: dict, *, max_context: int | None = Non
     llm.max_context = max_context or config.max_position_embeddings
     llm.backend = "cpu"
     llm.attention_impl = "reference"
-    llm._attention_fn = None
-    llm._drafters = {}
+    llm.attention_fn = None
+    llm.runtime = SpecRuntime()
     return llm
 
 
@@ -182,21 +183,21 @@ def run_spec(params, config, dparams, drafter, buckets, ids: list[list[int]], sa
 
 def run_suffix(params, config, drafter, buckets, ids: list[list[int]], sampling, global_index=None,
                width: int | None = None, adaptive=None):
-    """Suffix decoding (host-side drafter) through `spec_api.host_loop`, as `LLM.generate` runs it.
+    """Suffix decoding (host-side drafter) through `runners.speculative.host_loop`, as `LLM.generate` runs it.
 
     global_index: a SuffixIndex kept across calls (earlier outputs), or None for a fresh one.
     adaptive: the host loop's back-off rule (`spec_engine.Adaptive`), None = always speculate.
     Returns (final SpecState, global index)."""
-    from specjax.runners import speculative as spec_api
+    from specjax.runners import speculative
     from specjax.drafters.suffix import SuffixHostState
     from specjax.drafters.suffix_tree import SuffixIndex
 
     if global_index is None:
-        global_index = SuffixIndex(drafter.max_depth, max_sequences=spec_api.SUFFIX_GLOBAL_SEQS)
+        global_index = SuffixIndex(drafter.max_depth, max_sequences=speculative.SUFFIX_GLOBAL_SEQS)
     state = spec_start(params, config, {}, drafter, buckets, ids, sampling, width)
     host = SuffixHostState(drafter, global_index, ids)
-    stand_in = types.SimpleNamespace(params=params, config=config, _attention_fn=None, _drafters={})
-    state, _, _ = spec_api.host_loop(stand_in, drafter, {}, state, sampling, len(ids), host, adaptive, "key")
+    stand_in = types.SimpleNamespace(params=params, config=config, attention_fn=None, runtime=SpecRuntime())
+    state, _, _ = speculative.host_loop(stand_in, drafter, {}, state, sampling, len(ids), host, adaptive, "key")
     outs, _ = outputs(state.dec, len(ids))
     host.finish(outs, next(_SUFFIX_IDS))
     return state, global_index

@@ -1,6 +1,6 @@
 """The back-off rule's break-even, measured on the hardware, and what it must not cost.
 
-* `spec_api.calibrate` turns timed speculative and plain steps into the break-even gain (ratio - 1); its
+* `backoff.calibrate` turns timed speculative and plain steps into the break-even gain (ratio - 1); its
   speculative chunks force every step to verify (a lookup miss too), and a loop that leaves plain steps in the
   chunk has them taken out of the verify cost;
 * through `LLM.generate`, the calibration runs the one compiled speculative loop (the break-even is traced),
@@ -17,7 +17,8 @@ import pytest
 
 from spec_helpers import tiny_config, tiny_llm, tiny_params
 from specjax import spec_engine
-from specjax.runners import speculative as spec_api
+from specjax import backoff
+from specjax.runners import speculative
 from specjax.config import SamplingParams, SpeculativeConfig
 from specjax.drafters.draft_model import DraftModelDrafter
 
@@ -59,7 +60,7 @@ def start():
 
 def test_calibrate_gives_ratio_minus_one():
     loop = FakeLoop(verify=0.09, plain=0.03, misses={2, 4})  # two misses inside the timed speculative chunk
-    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
+    _, floor = backoff.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
     assert floor == pytest.approx(2.0)  # a verify costs 3 plain steps: 2 accepted tokens to break even
     # warm-up (compile) step, forced speculative chunk, forced plain chunk
     assert [s for s, _ in loop.calls] == [1, 6, 6]
@@ -78,7 +79,7 @@ def test_calibrate_keeps_the_fastest_round_of_each_kind():
         loop.verify, loop.plain = (0.18, 0.06) if slow else (0.09, 0.03)
         return real_call(state, steps, min_gain, force_verify)
 
-    _, floor = spec_api.calibrate(disturbed, start(), steps=6, rounds=2, clock=loop.clock)
+    _, floor = backoff.calibrate(disturbed, start(), steps=6, rounds=2, clock=loop.clock)
     assert floor == pytest.approx(2.0)
     assert [s for s, _ in loop.calls] == [1, 6, 6, 6, 6]
 
@@ -88,18 +89,18 @@ def test_calibrate_forces_verification_in_its_speculative_chunks():
     the drafter found almost nothing still times six verify steps; the plain chunks are not forced."""
     misses = {1, 2, 3, 4, 5}
     loop = FakeLoop(verify=0.09, plain=0.03, misses=misses, can_force=True)
-    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
+    _, floor = backoff.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
     assert floor == pytest.approx(2.0)
     assert loop.forced == [True, True, False]
     # The same misses in a loop that cannot force leave one verify step in the chunk: no estimate.
     loop = FakeLoop(verify=0.09, plain=0.03, misses=misses)
-    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
+    _, floor = backoff.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
     assert floor is None
 
 
 def test_calibrate_clamps_cheap_verification_at_zero():
     loop = FakeLoop(verify=0.02, plain=0.03, misses=set())
-    _, floor = spec_api.calibrate(loop, start(), steps=4, clock=loop.clock)
+    _, floor = backoff.calibrate(loop, start(), steps=4, clock=loop.clock)
     assert floor == 0.0
 
 
@@ -109,22 +110,22 @@ def test_calibrate_ignores_rounds_with_few_verify_steps():
     break-even stands)."""
     few = {1, 2, 3, 4}  # the first timed speculative chunk (steps 1-6) verifies only steps 5 and 6
     loop = FakeLoop(verify=0.09, plain=0.03, misses=few)
-    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
+    _, floor = backoff.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock)
     assert floor is None
     loop = FakeLoop(verify=0.09, plain=0.03, misses=few)
-    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=2, clock=loop.clock)
+    _, floor = backoff.calibrate(loop, start(), steps=6, rounds=2, clock=loop.clock)
     assert floor == pytest.approx(2.0)  # from the second round, where all six steps verified
     loop = FakeLoop(verify=0.09, plain=0.03, misses=few)
-    _, floor = spec_api.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock, min_verify=2)
+    _, floor = backoff.calibrate(loop, start(), steps=6, rounds=1, clock=loop.clock, min_verify=2)
     assert floor == pytest.approx(2.0)
 
 
 def test_calibrate_gives_up_when_the_generation_ends():
     loop = FakeLoop(verify=0.09, plain=0.03, misses=set(), length=5)  # finished inside the speculative chunk
-    _, floor = spec_api.calibrate(loop, start(), steps=6, clock=loop.clock)
+    _, floor = backoff.calibrate(loop, start(), steps=6, clock=loop.clock)
     assert floor is None
     loop = FakeLoop(verify=0.09, plain=0.03, misses=set(range(100)))  # never had anything to verify
-    _, floor = spec_api.calibrate(loop, start(), steps=6, clock=loop.clock)
+    _, floor = backoff.calibrate(loop, start(), steps=6, clock=loop.clock)
     assert floor is None
 
 
@@ -143,11 +144,11 @@ def test_generate_calibrates_once_in_one_compiled_loop():
     out = llm.generate(prompts, greedy, speculative_config=spec)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert spec_engine.spec_loop._cache_size() == before + 1, "calibration compiled more than the one loop"
-    floors = {k: v for k, v in llm._drafters.items() if isinstance(k, tuple) and k[0] == "break_even"}
+    floors = dict(llm.runtime.break_even)
     assert len(floors) == 1 and list(floors.values())[0] >= 0.0
     assert sum(o.metrics.verify_steps for o in out) > 0
     # The next generation of this config starts from this one's mean accepted tokens per verify step.
-    prior = llm._drafters[("gain_prior", spec, 2)]
+    prior = llm.runtime.gain_priors[(spec, 2)]
     assert prior == pytest.approx(sum(o.metrics.accepted for o in out) / sum(o.metrics.verify_steps for o in out))
     # Same bucket, other prompt lengths and sampling values: the cached break-even, nothing compiled.
     again = llm.generate([prompts[1], prompts[0][:-3]], [SamplingParams(max_new_tokens=30, temperature=0.8, seed=4,
@@ -155,7 +156,7 @@ def test_generate_calibrates_once_in_one_compiled_loop():
                          speculative_config=spec)
     assert len(again[0].token_ids) == 30 and len(again[1].token_ids) == 40
     assert spec_engine.spec_loop._cache_size() == before + 1
-    assert {k: v for k, v in llm._drafters.items() if isinstance(k, tuple) and k[0] == "break_even"} == floors
+    assert dict(llm.runtime.break_even) == floors
 
 
 def test_each_call_starts_probing_at_probe_every():
@@ -169,11 +170,11 @@ def test_each_call_starts_probing_at_probe_every():
     # 1-token matches: the tiny random model does not continue the motif, so longer keys would never match.
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
     llm = tiny_llm(config, tiny_params(config, seed=3))
-    llm._drafters[("break_even", spec, 1)] = 50.0  # skip calibration: speculation never pays
+    llm.runtime.break_even[(spec, 1)] = 50.0  # skip calibration: speculation never pays
     long = SamplingParams(max_new_tokens=100, ignore_eos=True)
     for _ in range(3):
         assert llm.generate(prompt, long, speculative_config=spec)[0].metrics.verify_steps >= 1
-    rule = spec_api.adaptive_rule(*spec_api.build_drafter(llm, spec)[:1], spec)
+    rule = backoff.adaptive_rule(*speculative.drafter_for(llm, spec)[:1], spec)
     short = SamplingParams(max_new_tokens=rule.probe_every + 8, ignore_eos=True)
     assert llm.generate(prompt, short, speculative_config=spec)[0].metrics.verify_steps >= 1
 
@@ -253,14 +254,14 @@ def test_lookups_start_each_call_optimistic_whatever_the_last_call_gained():
     # 1-token matches: the tiny random model does not continue the motif, so longer keys would never match.
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
     llm = tiny_llm(config, tiny_params(config, seed=3))
-    rule = spec_api.adaptive_rule(*spec_api.build_drafter(llm, spec)[:1], spec)
+    rule = backoff.adaptive_rule(*speculative.drafter_for(llm, spec)[:1], spec)
     assert not rule.carry_prior
-    llm._drafters[("break_even", spec, 1)] = 0.5  # skip calibration
-    llm._drafters[("gain_prior", spec, 1)] = 0.0  # the last call accepted nothing
+    llm.runtime.break_even[(spec, 1)] = 0.5  # skip calibration
+    llm.runtime.gain_priors[(spec, 1)] = 0.0  # the last call accepted nothing
     short = SamplingParams(max_new_tokens=rule.probe_every // 2, ignore_eos=True)
     assert llm.generate(prompt, short, speculative_config=spec)[0].metrics.verify_steps >= 1
     draft = SpeculativeConfig(method="draft_model", model="unused", num_speculative_tokens=3)
-    model_rule = spec_api.adaptive_rule(DraftModelDrafter(tiny_config(V, num_layers=1), 3), draft)
+    model_rule = backoff.adaptive_rule(DraftModelDrafter(tiny_config(V, num_layers=1), 3), draft)
     assert model_rule.carry_prior
 
 
@@ -275,8 +276,8 @@ def test_force_verify_verifies_every_step_and_keeps_greedy_output():
     plain = llm.generate(prompts, greedy)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, adaptive=False)
     params = [greedy] * len(prompts)
-    normal = spec_api.generate(llm, prompts, prompts, params, spec)
-    forced = spec_api.generate(llm, prompts, prompts, params, spec, force_verify=True)
+    normal = speculative.generate(llm, prompts, prompts, params, spec)
+    forced = speculative.generate(llm, prompts, prompts, params, spec, force_verify=True)
     for p, n, f in zip(plain, normal, forced):
         assert f.token_ids == p.token_ids == n.token_ids
         # every decode step after the prefill's token is a verify step

@@ -21,6 +21,7 @@ import pytest
 
 from specjax.runners import batch
 from specjax.api import LLM
+from specjax.runners.runtime import SpecRuntime
 from specjax.models.llama import LlamaConfig, init_params
 from specjax.models.tokenizer import TokenizerError
 
@@ -57,7 +58,7 @@ def tiny_llm(seed: int = SEED, max_context: int = 512) -> LLM:
     llm.params = init_params(cfg, jax.random.PRNGKey(seed), jnp.float32, scale=0.3)
     llm.tokenizer = ByteTokenizer()
     llm.max_context = max_context
-    llm.backend, llm.attention_impl, llm._attention_fn, llm._drafters = "cpu", "reference", None, {}
+    llm.backend, llm.attention_impl, llm.attention_fn, llm.runtime = "cpu", "reference", None, SpecRuntime()
     return llm
 
 
@@ -355,7 +356,7 @@ def test_every_state_leaf_is_batch_first(llm):
     buckets = engine.make_buckets(1, 16, 16, extra_slots=4)
     sampling = llm.sampling_arrays([batch.SamplingParams()] * 5, 5, buckets.num_stop)
     for drafter, dp in ((None, None), (NgramDrafter(3), {}), (DraftModelDrafter(dcfg, 3, 264), dparams)):
-        state = batch._Programs(llm, buckets, 5, drafter, dp).empty(sampling)
+        state = batch.programs(llm, buckets, 5, drafter, dp).empty(sampling)
         leaves = jax.tree_util.tree_leaves(state)
         assert len(leaves) > 6 and all(a.shape[0] == 5 for a in leaves), drafter
         finish = state.finish if drafter is None else state.dec.finish

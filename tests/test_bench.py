@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from helpers import save_hf_model, tiny_config, tiny_params
-from specjax.tools import bench
 from specjax.config import SamplingParams, SpeculativeConfig, to_dict
+from specjax.tools import bench, report
 
 MAX_NEW = 8
 PROMPTS = ["abcabcabc abc", "the cat the cat the", "1 2 3 1 2 3 1"]
@@ -99,7 +99,7 @@ def test_summary_arithmetic_on_hand_made_records():
     assert spec["per_position"] == pytest.approx([8 / 10, 5 / 10])
     assert plain["ttft_ms_p50"] == pytest.approx(200.0)
     assert "tau" not in plain and plain["lossy"] is False
-    md = bench.markdown(s, "T=0")
+    md = report.markdown(s, "T=0")
     assert "| ngram(k=2) | 0.80 | 0.50 |" in md  # per-position row per method
     one = bench.batch1_figures(results["ngram(k=2)"])  # the batch-1 throughput point runs on wall time
     assert one["tokens_per_s"] == pytest.approx(40 / 2.0) and one["tau"] == pytest.approx(spec["tau"])
@@ -146,7 +146,7 @@ def test_lossy_configs_are_labelled_and_recorded(tmp_path):
     rec = record("a", 4, 1.0, 0.1, 4, 2, 3, [2], [4])
     summary = bench.summarize({"plain": [record("a", 4, 1.0, 0.1)], "ngram(k=3) LOSSY": [dict(rec, lossy=True)]})
     assert summary["ngram(k=3) LOSSY"]["overall"]["lossy"] is True
-    assert "LOSSY: typical acceptance" in bench.markdown(summary, "T=0")
+    assert "LOSSY: typical acceptance" in report.markdown(summary, "T=0")
 
 
 # ------------------------------------------------------------------------------------------------ tiny model
@@ -201,10 +201,10 @@ def test_reps_start_from_the_same_learned_state(llm, prompts):
         accepted.append(o.metrics.accepted)
         return o
 
-    llm._drafters.pop("suffix_global", None)
+    llm.runtime.suffix_global = None
     bench._fastest(call, 3, llm)
     assert len(set(accepted)) == 1, accepted
-    llm._drafters.pop("suffix_global", None)
+    llm.runtime.suffix_global = None
     accepted.clear()
     bench._fastest(call, 2)
     assert accepted[1] > accepted[0], accepted

@@ -542,12 +542,12 @@ def test_draft_cache_after_a_long_back_off_equals_a_fresh_prefill(target, draft,
 
 
 def test_build_drafter_honours_every_suffix_setting(target):
-    from specjax.runners import speculative as spec_api
+    from specjax.runners.speculative import drafter_for
     from specjax.config import SpeculativeConfig
 
     llm = tiny_llm(*target)
-    first, _ = spec_api.build_drafter(llm, SpeculativeConfig(method="suffix", suffix_min_token_prob=0.1))
-    second, _ = spec_api.build_drafter(llm, SpeculativeConfig(method="suffix", suffix_min_token_prob=0.5,
+    first, _ = drafter_for(llm, SpeculativeConfig(method="suffix", suffix_min_token_prob=0.1))
+    second, _ = drafter_for(llm, SpeculativeConfig(method="suffix", suffix_min_token_prob=0.5,
                                                                suffix_max_depth=12))
     assert first.min_token_prob == 0.1
     assert (second.min_token_prob, second.max_depth) == (0.5, 12)

@@ -625,7 +625,7 @@ def _tiny_dataset(path, params, config, n=24, prompt=8, new=24):
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_training_learns_and_resumes(bigram, tmp_path, kind):
     from spec_helpers import save_hf_llama
-    from specjax.train import heads as train_heads
+    from specjax.train import eagle as train_heads
 
     config, params, _, _ = bigram
     save_hf_llama(str(tmp_path / "target"), config, params)

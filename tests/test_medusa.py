@@ -596,7 +596,7 @@ def test_features_from_the_heads_cache_equal_a_feature_pass(tmp_path, target):
     """--features-cache (a cache of `specjax.train.eagle` / `specjax.train.data --features-out`) gives the rows
     `extract_features` computes; a cache made from other data is refused."""
     from specjax.train.data import save_dataset
-    from specjax.train.eagle import compute_features, feature_cache_key, save_feature_cache
+    from specjax.train.features import compute_features, feature_cache_key, save_feature_cache
 
     config, params = target
     arrays = _random_data(np.random.default_rng(1), 6, 40, 24, (3, 10), 5)

@@ -19,6 +19,7 @@ from jax import lax
 from helpers import save_hf_model, smollm2_gguf_path, tiny_config, tiny_params
 from specjax import engine, spec_engine
 from specjax.backends import neuron
+from specjax.runners import neuron as neuron_runner
 from specjax.backends.jaxpr_check import (PolicyViolationError, check_function, check_jaxpr, hlo_census,
                                           static_trip_count_problem)
 from specjax.config import SamplingParams
@@ -34,12 +35,12 @@ SMALL_TABLE = dict(prompt_lens=(16,), max_news=(16,))
 pytestmark = pytest.mark.filterwarnings("ignore::specjax.backends.neuron.NeuronFallbackWarning")
 
 
-def _runner(kind: str) -> neuron.NeuronRunner:
+def _runner(kind: str) -> neuron_runner.NeuronRunner:
     if kind == "plain":
-        return neuron.NeuronRunner(PARAMS, CFG)
+        return neuron_runner.NeuronRunner(PARAMS, CFG)
     if kind == "ngram":
-        return neuron.NeuronRunner(PARAMS, CFG, NgramDrafter(3), {})
-    return neuron.NeuronRunner(PARAMS, CFG, DraftModelDrafter(DRAFT_CFG, 3, CFG.vocab_size),
+        return neuron_runner.NeuronRunner(PARAMS, CFG, NgramDrafter(3), {})
+    return neuron_runner.NeuronRunner(PARAMS, CFG, DraftModelDrafter(DRAFT_CFG, 3, CFG.vocab_size),
                                {"params": tiny_params(DRAFT_CFG, seed=1)})
 
 
@@ -56,7 +57,7 @@ def test_checker_passes_every_entry_point_and_bucket(kind):
     table = neuron.bucket_table(neuron.NEURON_BATCHES, tree_nodes=runner.tree_nodes, **SMALL_TABLE)
     assert [b.batch for b in table.buckets] == list(neuron.NEURON_BATCHES)
     reports = neuron.check_entry_points(runner, table.buckets)
-    assert set(reports) == {(b, e) for b in table.buckets for e in neuron.NeuronRunner.ENTRY_POINTS}
+    assert set(reports) == {(b, e) for b in table.buckets for e in neuron_runner.NeuronRunner.ENTRY_POINTS}
     for key, rep in reports.items():
         assert rep.ok, rep.summary()
         # The walk reached the model: the step writes the KV cache with a data-dependent scatter, which the
@@ -278,7 +279,7 @@ def test_planted_cond_in_a_drafter_fails_warmup_before_compiling():
         return proposal._replace(tokens=tokens), dstate
 
     CondDrafter = type("CondDrafter", (NgramDrafter,), {"propose": propose})
-    runner = neuron.NeuronRunner(PARAMS, CFG, CondDrafter(3), {})
+    runner = neuron_runner.NeuronRunner(PARAMS, CFG, CondDrafter(3), {})
     b = neuron.bucket_for(1, 10, 16, runner.tree_nodes)
     with neuron.count_compilations() as cc, pytest.raises(PolicyViolationError, match="step .*cond"):
         runner.warmup([b])
@@ -353,14 +354,14 @@ def test_plain_greedy_matches_default_path_and_nothing_compiles_after_warmup(tin
     monkeypatch.setattr(neuron, "_NOTED", set())
     with pytest.warns(neuron.NeuronFallbackWarning,
                       match="Neuron SDK not found; running the Neuron-policy program on cpu"):
-        got = neuron.generate_neuron(llm, PROMPTS, GREEDY)
+        got = neuron_runner.generate_neuron(llm, PROMPTS, GREEDY)
     assert _tokens(got) == reference
     assert [len(t) for t in reference] == MAX_NEW and [o.finish_reason for o in got] == ["length"] * 3
     # Same bucket, other prompts and budgets: only the compiled executables run, and nothing is said again.
     with warnings.catch_warnings():
         warnings.simplefilter("error", neuron.NeuronFallbackWarning)
         with neuron.count_compilations() as cc:
-            again = neuron.generate_neuron(llm, [[9, 9, 9], [1, 2], [3]], [_greedy(9), _greedy(16), _greedy(1)])
+            again = neuron_runner.generate_neuron(llm, [[9, 9, 9], [1, 2], [3]], [_greedy(9), _greedy(16), _greedy(1)])
     assert (cc.compiles, cc.traces) == (0, 0), cc.names
     assert [len(o.token_ids) for o in again] == [9, 16, 1]
 
@@ -374,14 +375,14 @@ def test_counter_sees_compilations():
 def test_ngram_greedy_matches_default_path(tiny_llm, reference):
     llm, _ = tiny_llm
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    got = neuron.generate_neuron(llm, PROMPTS, GREEDY, spec)
+    got = neuron_runner.generate_neuron(llm, PROMPTS, GREEDY, spec)
     assert _tokens(got) == reference
     assert sum(o.metrics.verify_steps for o in got) > 0
     # Sampling under the Neuron policy (rbg) is reproducible per seed and compiles nothing new.
     hot = [SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=12, seed=7, ignore_eos=True)] * 3
     with neuron.count_compilations() as cc:
-        a = neuron.generate_neuron(llm, PROMPTS, hot, spec)
-        b = neuron.generate_neuron(llm, PROMPTS, hot, spec)
+        a = neuron_runner.generate_neuron(llm, PROMPTS, hot, spec)
+        b = neuron_runner.generate_neuron(llm, PROMPTS, hot, spec)
     assert _tokens(a) == _tokens(b) and cc.compiles == 0
 
 
@@ -391,7 +392,7 @@ def test_draft_model_greedy_matches_default_path_with_acceptance(tiny_llm, refer
     compaction run under the Neuron program too."""
     llm, path = tiny_llm
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
-    got = neuron.generate_neuron(llm, PROMPTS, GREEDY, spec)
+    got = neuron_runner.generate_neuron(llm, PROMPTS, GREEDY, spec)
     assert _tokens(got) == reference
     assert all(o.metrics.accepted > 0 for o in got)
     assert all(o.metrics.mean_accepted_length > 2.0 for o in got)
@@ -400,7 +401,7 @@ def test_draft_model_greedy_matches_default_path_with_acceptance(tiny_llm, refer
 @pytest.mark.slow
 def test_two_steps_per_call_match(tiny_llm, reference):
     llm, _ = tiny_llm
-    got = neuron.generate_neuron(llm, PROMPTS, GREEDY, {"method": "ngram", "num_speculative_tokens": 3},
+    got = neuron_runner.generate_neuron(llm, PROMPTS, GREEDY, {"method": "ngram", "num_speculative_tokens": 3},
                                  steps_per_call=2)
     assert _tokens(got) == reference
 
@@ -408,14 +409,14 @@ def test_two_steps_per_call_match(tiny_llm, reference):
 def test_host_side_drafter_is_refused(tiny_llm):
     llm, _ = tiny_llm
     with pytest.raises(neuron.NeuronPolicyError, match="proposes on the host"):
-        neuron.generate_neuron(llm, PROMPTS[:1], _greedy(4), {"method": "suffix", "num_speculative_tokens": 3})
+        neuron_runner.generate_neuron(llm, PROMPTS[:1], _greedy(4), {"method": "suffix", "num_speculative_tokens": 3})
 
 
 def test_bucket_too_small_for_the_request(tiny_llm):
     llm, _ = tiny_llm
     table = neuron.bucket_table((1, 2), (16,), (16,))
     with pytest.raises(neuron.NeuronBucketError, match="no compiled bucket holds 3 requests"):
-        neuron.generate_neuron(llm, PROMPTS, _greedy(4), table=table)
+        neuron_runner.generate_neuron(llm, PROMPTS, _greedy(4), table=table)
 
 
 # ------------------------------------------------------------------------------------------ real model (slow)
@@ -437,21 +438,21 @@ def test_smollm2_ngram_greedy_matches_default_path(smol):
     ids = [smol.tokenizer.encode(p) for p in prompts]
     spec = {"method": "ngram", "num_speculative_tokens": 4}
     sp = SamplingParams(temperature=0.0, max_new_tokens=40)
-    got = neuron.generate_neuron(smol, ids, sp, spec)
+    got = neuron_runner.generate_neuron(smol, ids, sp, spec)
     ref = smol.generate(ids, sp, spec)
     assert _tokens(got) == _tokens(ref)
     assert sum(o.metrics.accepted for o in got) > 0
     from specjax.config import SpeculativeConfig
-    from specjax.runners.speculative import build_drafter
+    from specjax.runners.speculative import drafter_for
 
-    runner = neuron.runner_for(smol, *build_drafter(smol, SpeculativeConfig.from_user(spec)))
+    runner = neuron_runner.runner_for(smol, *drafter_for(smol, SpeculativeConfig.from_user(spec)))
     for rep in runner.reports(runner.compiled_buckets()[0]).values():
         assert rep.ok, rep.summary()
 
 
 @pytest.mark.slow
 def test_smollm2_checker_every_batch_bucket(smol):
-    runner = neuron.NeuronRunner(smol.params, smol.config, NgramDrafter(4), {})
+    runner = neuron_runner.NeuronRunner(smol.params, smol.config, NgramDrafter(4), {})
     table = neuron.bucket_table(neuron.NEURON_BATCHES, (64,), (64,), tree_nodes=runner.tree_nodes)
     for key, rep in neuron.check_entry_points(runner, table.buckets).items():
         assert rep.ok, rep.summary()

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from specjax.runners import speculative as spec_api
+from specjax.drafters.build import SpeculativeConfigError, resolve_draft_path
+from specjax.runners.speculative import drafter_for
 from specjax.api import RequestError
 from specjax.config import ConfigError, SamplingParams, SpeculativeConfig
 from specjax.drafters.ngram import NgramDrafter
-from specjax.runners.speculative import SpeculativeConfigError
 from specjax.tree import TreeError, chain
 
 from spec_helpers import save_hf_llama, tiny_config, tiny_llm, tiny_params
@@ -58,7 +58,7 @@ def test_gamma_beyond_the_context(llm):
     msg = one_line(e)
     assert "speculative" in msg and str(CONTEXT) in msg and "71" in msg, msg
     # the request alone fits: the speculative slots are what overflows
-    llm._check(0, PROMPT, SamplingParams(max_new_tokens=20), 0)
+    llm.check_request(0, PROMPT, SamplingParams(max_new_tokens=20), 0)
 
 
 def test_gamma_alone_beyond_the_context_names_gamma_as_the_fix(llm):
@@ -79,7 +79,7 @@ def test_draft_model_with_another_vocabulary(llm, tmp_path):
     # positive control: the same kind of directory with the target's vocabulary builds a drafter
     same = tiny_config(V, num_layers=1)
     good = save_hf_llama(str(tmp_path / "draft_v40"), same, tiny_params(same, seed=1))
-    drafter, dparams = spec_api.build_drafter(
+    drafter, dparams = drafter_for(
         llm, SpeculativeConfig(method="draft_model", model=good, num_speculative_tokens=3))
     assert drafter.config.vocab_size == V and drafter.tree.num_nodes == 4 and "params" in dparams
 
@@ -115,7 +115,7 @@ def test_draft_model_without_a_model(llm):
     msg = one_line(e)
     assert "model" in msg and "draft_model" in msg, msg
     with pytest.raises(SpeculativeConfigError) as e:
-        spec_api.resolve_draft_path(None)
+        resolve_draft_path(None)
     one_line(e)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from specjax import engine
-from specjax.runners import speculative as spec_api
+from specjax.runners.speculative import drafter_for
 from specjax.config import SamplingParams, SpeculativeConfig
 
 from conftest import SPEC_BENCH
@@ -124,7 +124,7 @@ def decode_all(llm, prompts, batch: int, method: str | None):
     """Greedy outputs {prompt index: (tokens, finish code)} and summed stats, for every prompt."""
     drafter = dparams = None
     if method is not None:
-        drafter, dparams = spec_api.build_drafter(llm, speculative_config(method))
+        drafter, dparams = drafter_for(llm, speculative_config(method))
         assert drafter.tree.num_nodes <= MAX_NODES
     results, stats = {}, dict(verify_steps=0, plain_steps=0, drafted=0, accepted=0)
     suffix_index = None

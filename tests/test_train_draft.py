@@ -14,7 +14,8 @@ from safetensors import safe_open
 from conftest import ROOT, SPEC_BENCH
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward, init_params, lm_head
-from specjax.train import draft as D
+from specjax.models import draft_io
+from specjax.train import draft_model as D
 from specjax.train.data import generate_batch, load_dataset, save_dataset
 from specjax.train.prompts import build_prompts, is_heldout
 
@@ -208,9 +209,9 @@ def _write_tiny_target(path, params):
         json.dump(cfg, f)
     t = {"model.embed_tokens.weight": np.asarray(params["embed"]), "model.norm.weight": np.asarray(params["final_norm"])}
     for i, lp in enumerate(params["layers"]):
-        for k, suffix in D._LAYER_NAMES.items():
+        for k, suffix in draft_io.LAYER_NAMES.items():
             w = np.asarray(lp[k])
-            t[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(w.T if k in D._MATRICES else w)
+            t[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(w.T if k in draft_io.MATRICES else w)
     save_file(t, os.path.join(path, "model.safetensors"))
 
 
@@ -376,7 +377,7 @@ def test_plan_requests_extra_answers_for_training_prompts_only():
 
 def test_generate_batch_features_equal_the_heads_feature_pass(target):
     """Features recorded during generation are the ones `specjax.train.eagle` computes with one prefill."""
-    from specjax.train.eagle import compute_features
+    from specjax.train.features import compute_features
 
     prompts = jnp.asarray([[5, 9, 2, 7, 0, 0], [11, 3, 4, 8, 1, 6]], jnp.int32)
     plen = np.asarray([4, 6], np.int32)

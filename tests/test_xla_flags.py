@@ -47,14 +47,15 @@ import jax, jax.numpy as jnp
 import specjax
 from spec_helpers import tiny_config, tiny_params, tiny_llm
 from specjax import engine, spec_engine
-from specjax.runners import speculative as spec_api
+from specjax.backoff import adaptive_rule
+from specjax.runners.speculative import drafter_for
 from specjax.api import pad_prompts
 from specjax.config import SamplingParams, SpeculativeConfig
 
 config = tiny_config(64)
 llm = tiny_llm(config, tiny_params(config, seed=0))
 spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-drafter, dparams = spec_api.build_drafter(llm, spec)
+drafter, dparams = drafter_for(llm, spec)
 if os.environ.get("DRAFTER") == "draft_model":
     import dataclasses
     from specjax.drafters.draft_model import DraftModelDrafter
@@ -71,7 +72,7 @@ if os.environ.get("ATTENTION"):
     from specjax.backends.registry import get_attention
     attn = get_attention(os.environ["ATTENTION"], "cpu")
 txt = spec_engine.spec_loop.lower(llm.params, llm.config, dparams, drafter, st, sampling, jnp.int32(8),
-                                  attention_fn=attn, adaptive=spec_api.adaptive_rule(drafter, spec),
+                                  attention_fn=attn, adaptive=adaptive_rule(drafter, spec),
                                   min_gain=jnp.float32(0.5)).compile().as_text()
 shape = "f32[%d,%d,%d,%d]" % (b.batch, config.num_kv_heads, b.capacity, config.head_dim)
 copies = sum(1 for line in txt.splitlines() if " copy(" in line and ("= " + shape) in line)

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from specjax.cli.common import add_config_flags, make_llm, shortcut_overrides, user_errors
 from specjax.config import load_run_config
-from specjax.runners.batch import BatchError, check_paths, run_job
+from specjax.runners.batch_io import BatchError, check_paths  # no JAX: `specjax --help` stays fast
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +36,8 @@ def run(args) -> int:
             overrides.append(f"batch_size={args.batch_size}")
         cfg = load_run_config(args.config, overrides)
         llm = make_llm(cfg)
+        from specjax.runners.batch import run_job
+
         spec = cfg.speculative if cfg.speculative.enabled else None
         summary = run_job(llm, args.input, args.output, sampling=cfg.sampling, speculative=spec,
                           batch_size=cfg.batch_size, chat=args.chat, max_steps=args.max_steps,

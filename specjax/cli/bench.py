@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 
-from specjax.tools import bench
 from specjax.config import SamplingParams
+from specjax.tools import bench, report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,7 +115,7 @@ def _release(llm) -> None:
     own 30-layer loop; kept all together they exhausted the 24 GB of the CI-sized machine mid-run."""
     import jax
 
-    llm._drafters.clear()
+    llm.runtime.clear()
     jax.clear_caches()
 
 
@@ -167,7 +167,7 @@ def _profile(args, llm, prompts, methods, sp) -> dict:
     """{label: draft/verify figures} for each speculative method over the first --profile-prompts prompts."""
     out = {}
     if llm.backend == "neuron" and args.profile_prompts > 0:
-        # spec_api's host-stepped loop runs the default program, not the Neuron one being benchmarked
+        # runners.speculative's host-stepped loop runs the default program, not the Neuron one being benchmarked
         print("draft/verify profile skipped: it does not run the Neuron program", file=sys.stderr)
         return out
     for label, spec, _ in methods:
@@ -183,7 +183,7 @@ def run(args) -> int:
     methods = _methods(args.methods)
     llm = LLM(args.model, args.dtype)
     os.makedirs(args.out, exist_ok=True)
-    report = {"environment": bench.environment(llm), "dataset": os.path.abspath(args.dataset),
+    doc = {"environment": bench.environment(llm), "dataset": os.path.abspath(args.dataset),
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes,
               "reps": args.reps, "methods": {label: bench.method_info(name, spec) for label, spec, name in methods},
               "runs": {}, "throughput": {}, "profile": {}}
@@ -191,7 +191,7 @@ def run(args) -> int:
           f"batch sizes {' '.join(map(str, args.batch_sizes))}"
           + (f", fastest of {args.reps} runs of every generation" if args.reps > 1 else "") + "\n",
           f"Command: `specjax bench {' '.join(sys.argv[2:])}`\n",
-          "Environment: " + ", ".join(f"{k} {v}" for k, v in report["environment"].items()) + "\n"]
+          "Environment: " + ", ".join(f"{k} {v}" for k, v in doc["environment"].items()) + "\n"]
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
@@ -202,40 +202,40 @@ def run(args) -> int:
         # Everything measured so far, rewritten after each method: a run that dies later keeps it.
         tmp = partial + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(report, f, indent=1, default=_jsonable)
+            json.dump(doc, f, indent=1, default=_jsonable)
         os.replace(tmp, partial)
 
     for temp in args.temperatures:
         sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temp, seed=args.seed)
         results: dict = {}
-        report["runs"][str(temp)] = {"records": results}
+        doc["runs"][str(temp)] = {"records": results}
         _batch1(args, llm, prompts, methods, sp, tqdm, results, checkpoint)
         if temp == 0:
             _run_peers(args, prompts, results, checkpoint)
         summary = bench.summarize(results)
         title = f"T={temp}" + (" (greedy)" if temp == 0 else "")
-        bench.print_table(summary, title)
-        md.append(bench.markdown(summary, title))
-        for png in bench.plot(summary, os.path.join(args.out, f"T{temp:g}"), title):
+        report.print_table(summary, title)
+        md.append(report.markdown(summary, title))
+        for png in report.plot(summary, os.path.join(args.out, f"T{temp:g}"), title):
             md.append(f"![{os.path.basename(png)}]({os.path.basename(png)})\n")
-        report["runs"][str(temp)] = {"summary": summary, "records": results}
+        doc["runs"][str(temp)] = {"summary": summary, "records": results}
         checkpoint()
         if any(b > 1 for b in args.batch_sizes):
             table = _throughput(args, llm, prompts, methods, sp, results)
-            report["throughput"][str(temp)] = table
-            md.append(bench.throughput_markdown(table, title))
+            doc["throughput"][str(temp)] = table
+            md.append(report.throughput_markdown(table, title))
             if args.all_turns:
                 md.append("With --all-turns, batch 1 covers every turn; larger batches run first turns only.\n")
-            print(bench.throughput_markdown(table, title), file=sys.stderr)
-            for png in bench.plot_throughput(table, os.path.join(args.out, f"T{temp:g}_throughput.png"), title):
+            print(report.throughput_markdown(table, title), file=sys.stderr)
+            for png in report.plot_throughput(table, os.path.join(args.out, f"T{temp:g}_throughput.png"), title):
                 md.append(f"![{os.path.basename(png)}]({os.path.basename(png)})\n")
         profile = _profile(args, llm, prompts, methods, sp)
         if profile:
-            report["profile"][str(temp)] = profile
-            md.append(bench.profile_markdown(profile, title))
-            print(bench.profile_markdown(profile, title), file=sys.stderr)
+            doc["profile"][str(temp)] = profile
+            md.append(report.profile_markdown(profile, title))
+            print(report.profile_markdown(profile, title), file=sys.stderr)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(report, f, indent=1, default=_jsonable)
+        json.dump(doc, f, indent=1, default=_jsonable)
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write("\n".join(md))
     if os.path.exists(partial):

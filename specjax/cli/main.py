@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     batch_arguments(bt)
     cp = sub.add_parser("compare", help="one config on several backends/devices or methods, greedy outputs cross-checked")
-    from specjax.tools.compare import add_arguments as compare_arguments
+    from specjax.cli.compare import add_arguments as compare_arguments
 
     compare_arguments(cp)
     tn = sub.add_parser("tune", help="measure costs and acceptance, pick gamma (chain methods) or the draft tree size "
@@ -172,7 +172,7 @@ def cmd_batch(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from specjax.tools.compare import run
+    from specjax.cli.compare import run
 
     return run(args)
 

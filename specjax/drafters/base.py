@@ -59,3 +59,17 @@ class Drafter(Protocol):
     def update(self, dparams, dstate, ctx: DraftContext, result): ...
 
     def observe_plain(self, dparams, dstate, ctx: DraftContext): ...
+
+
+class Stateless:
+    """Mixin for drafters that keep no state between steps (lookups, Medusa heads): `init` returns an empty
+    pytree and `update` / `observe_plain` leave it as it is."""
+
+    def init(self, dparams, target_params, prompts, prompt_lens, capacity, features=None):
+        return ()
+
+    def update(self, dparams, dstate, ctx, result):
+        return dstate
+
+    def observe_plain(self, dparams, dstate, ctx):
+        return dstate

@@ -322,10 +322,3 @@ def load_eagle_drafter(path: str, method: str, target_config, target_params: dic
     if top_k == 1:
         return EagleDrafter.chain_of(hcfg, depth), dparams
     return EagleDrafter(hcfg, top_k, depth, total_tokens), dparams
-
-
-def build_eagle(llm, spec):
-    """spec_api.build_drafter's entry for methods 'eagle' and 'eagle3': (drafter, dparams)."""
-    path = resolve_head_path(spec.model, spec.method)
-    return load_eagle_drafter(path, spec.method, llm.config, llm.params, top_k=spec.top_k, depth=spec.depth,
-                              total_tokens=spec.total_tokens)

@@ -26,7 +26,7 @@ import numpy as np
 
 from specjax import acceptance
 from specjax.acceptance import TypicalMode, accept  # noqa: F401  (the modes a Medusa drafter takes)
-from specjax.drafters.base import DraftContext, Proposal
+from specjax.drafters.base import DraftContext, Proposal, Stateless
 from specjax.heads.medusa import MedusaConfig, MedusaError, head_hidden, head_logits, top_candidates
 from specjax.tree import TreeError, TreeSpec, from_choices, validate_choices
 
@@ -78,7 +78,7 @@ def expected_accepted(acc, choices) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter:
+class MedusaDrafter(Stateless):
     """Static-tree Medusa drafter. dparams = `specjax.heads.medusa.draft_params(...)`; no drafter state."""
 
     heads: MedusaConfig
@@ -110,15 +110,6 @@ class MedusaDrafter:
     @property
     def lossy(self) -> bool:
         return isinstance(self.mode, TypicalMode)
-
-    def init(self, dparams, target_params, prompts, prompt_lens, capacity, features=None):
-        return ()
-
-    def update(self, dparams, dstate, ctx, result):
-        return dstate
-
-    def observe_plain(self, dparams, dstate, ctx):
-        return dstate
 
     def propose(self, dparams, dstate, ctx: DraftContext):
         tree, rank = from_choices(self.choices)

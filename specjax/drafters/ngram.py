@@ -10,12 +10,12 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from specjax.drafters.base import DraftContext, Proposal
+from specjax.drafters.base import DraftContext, Proposal, Stateless
 from specjax.tree import TreeSpec, chain
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramDrafter:
+class NgramDrafter(Stateless):
     num_speculative_tokens: int = 4
     min_n: int = 1
     max_n: int = 3
@@ -30,15 +30,6 @@ class NgramDrafter:
     @property
     def tree(self) -> TreeSpec:
         return chain(self.num_speculative_tokens)
-
-    def init(self, dparams, target_params, prompts, prompt_lens, capacity, features=None):
-        return ()
-
-    def update(self, dparams, dstate, ctx, result):
-        return dstate
-
-    def observe_plain(self, dparams, dstate, ctx):
-        return dstate
 
     def propose(self, dparams, dstate, ctx: DraftContext):
         hist, hlen = ctx.history, ctx.hist_len

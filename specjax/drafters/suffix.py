@@ -12,13 +12,13 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import Proposal
+from specjax.drafters.base import Proposal, Stateless
 from specjax.drafters.suffix_tree import SuffixIndex, proposal_to_fixed, speculate
 from specjax.tree import TreeSpec, chain
 
 
 @dataclasses.dataclass(frozen=True)
-class SuffixDrafter:
+class SuffixDrafter(Stateless):
     num_speculative_tokens: int = 8  # node budget per step (the tree's N - 1)
     max_depth: int = 24  # longest suffix indexed
     max_spec_factor: float = 1.0  # speculate at most factor * match length tokens
@@ -37,15 +37,6 @@ class SuffixDrafter:
     def tree(self) -> TreeSpec:
         # The node budget and the depth bound: proposals fill N = budget + 1 nodes with their own parents.
         return TreeSpec((-1,) + tuple(range(self.max_tree_depth)) + (0,) * (self.num_speculative_tokens - self.max_tree_depth))
-
-    def init(self, dparams, target_params, prompts, prompt_lens, capacity, features=None):
-        return ()
-
-    def update(self, dparams, dstate, ctx, result):
-        return dstate
-
-    def observe_plain(self, dparams, dstate, ctx):
-        return dstate
 
 
 class SuffixHostState:

@@ -160,6 +160,35 @@ def read_safetensors(files: list[str]) -> dict[str, np.ndarray]:
     return out
 
 
+# One layer's tensor names in each file layout, by specjax parameter name. Matrices are stored [out, in] in both
+# and transposed to specjax's [in, out]; norms and biases are vectors.
+HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+    "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+}
+GGUF_LAYER_NAMES = {
+    "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
+    "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+}
+_BIASES = ("bq", "bk", "bv")
+
+
+def _layer_params(get, prefix: str, names: dict[str, str], bias: bool, fixes: dict | None = None) -> dict:
+    """One layer's params: get(name) -> [out, in] array (or a vector), `fixes` applied to the named matrices
+    before the transpose (GGUF's Q/K row order)."""
+    fixes = fixes or {}
+    lp = {}
+    for key, name in names.items():
+        if key in _BIASES and not bias:
+            continue
+        a = fixes.get(key, lambda x: x)(get(prefix + name))
+        lp[key] = a.T if key.startswith("w") else a
+    return lp
+
+
 def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig, where: str) -> dict:
     """Map HF names ([out, in] Linear weights) to the specjax params tree ([in, out])."""
     def get(name):
@@ -167,23 +196,7 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig, 
             raise ModelLoadError(f"{where}: tensor {name!r} is missing")
         return tensors[name]
 
-    def layer(i):
-        p = f"model.layers.{i}."
-        lp = {
-            "attn_norm": get(p + "input_layernorm.weight"),
-            "wq": get(p + "self_attn.q_proj.weight").T,
-            "wk": get(p + "self_attn.k_proj.weight").T,
-            "wv": get(p + "self_attn.v_proj.weight").T,
-            "wo": get(p + "self_attn.o_proj.weight").T,
-            "mlp_norm": get(p + "post_attention_layernorm.weight"),
-            "w_gate": get(p + "mlp.gate_proj.weight").T,
-            "w_up": get(p + "mlp.up_proj.weight").T,
-            "w_down": get(p + "mlp.down_proj.weight").T,
-        }
-        if config.attention_bias:
-            lp.update(bq=get(p + "self_attn.q_proj.bias"), bk=get(p + "self_attn.k_proj.bias"),
-                      bv=get(p + "self_attn.v_proj.bias"))
-        return lp
+    layer = lambda i: _layer_params(get, f"model.layers.{i}.", HF_LAYER_NAMES, config.attention_bias)
 
     params = {"embed": get("model.embed_tokens.weight"), "layers": [layer(i) for i in range(config.num_layers)],
               "final_norm": get("model.norm.weight")}
@@ -300,22 +313,8 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict, Any]:
     permute = config.architecture == "LlamaForCausalLM"
     fix_q = (lambda a: unpermute_rope_rows(a, config.num_heads)) if permute else (lambda a: a)
     fix_k = (lambda a: unpermute_rope_rows(a, config.num_kv_heads)) if permute else (lambda a: a)
-    def layer(i):
-        p = f"blk.{i}."
-        lp = {
-            "attn_norm": get(p + "attn_norm.weight"),
-            "wq": fix_q(get(p + "attn_q.weight")).T,
-            "wk": fix_k(get(p + "attn_k.weight")).T,
-            "wv": get(p + "attn_v.weight").T,
-            "wo": get(p + "attn_output.weight").T,
-            "mlp_norm": get(p + "ffn_norm.weight"),
-            "w_gate": get(p + "ffn_gate.weight").T,
-            "w_up": get(p + "ffn_up.weight").T,
-            "w_down": get(p + "ffn_down.weight").T,
-        }
-        if config.attention_bias:
-            lp.update(bq=get(p + "attn_q.bias"), bk=get(p + "attn_k.bias"), bv=get(p + "attn_v.bias"))
-        return lp
+    fixes = {"wq": fix_q, "wk": fix_k}
+    layer = lambda i: _layer_params(get, f"blk.{i}.", GGUF_LAYER_NAMES, config.attention_bias, fixes)
 
     params = {"embed": get("token_embd.weight"), "layers": [layer(i) for i in range(config.num_layers)],
               "final_norm": get("output_norm.weight")}

@@ -12,8 +12,11 @@ per-position acceptance, TTFT and end-to-end latency p50/p90.
 
 Optional extras: a throughput run at larger batch sizes (`run_throughput`: tokens/s against batch size, with a
 check that greedy outputs equal the batch-1 ones) and a profiled pass (`run_profile`: draft against verify time,
-through the host-stepped loop of `spec_api.generate(..., profile=True)`). Configurations with lossy acceptance
+through the host-stepped loop of `speculative.generate(..., profile=True)`). Configurations with lossy acceptance
 (`SpeculativeConfig.is_lossy`) carry LOSSY in their label everywhere.
+
+This module measures and summarises; the tables, Markdown and plots are `specjax.tools.report`, the command
+line `specjax.cli.bench`.
 """
 from __future__ import annotations
 
@@ -125,7 +128,7 @@ def method_info(name: str, spec: SpeculativeConfig | None) -> dict:
 def _fastest(call, reps: int, llm=None):
     """(seconds, result) of the fastest of `reps` runs of call() (greedy and seeded sampling repeat exactly, so
     only the time differs): on a shared machine the fastest run is the least disturbed one. With `llm`, what a
-    generation teaches the next (suffix index, back-off priors; `spec_api.learned_state`) is reset before every
+    generation teaches the next (suffix index, back-off priors; `speculative.learned_state`) is reset before every
     repetition, so each one starts where the first did instead of replaying its own answer."""
     from specjax.runners.speculative import learned_state, restore_learned
 
@@ -302,8 +305,8 @@ def greedy_equal(batch1: Sequence[dict], token_ids: Sequence[Sequence[int]]) -> 
 
 def run_profile(llm, prompts: Sequence[BenchPrompt], spec: SpeculativeConfig, sampling: SamplingParams) -> dict:
     """Draft against verify time at batch 1 over `prompts` (first turns), through the host-stepped loop:
-    `LLM.generate` has no profile switch, so this calls `spec_api.generate(..., profile=True)` as it does."""
-    from specjax.runners import speculative as spec_api
+    `LLM.generate` has no profile switch, so this calls `speculative.generate(..., profile=True)` as it does."""
+    from specjax.runners import speculative
 
     warm: set = set()
     draft = verify = 0.0  # seconds
@@ -313,9 +316,9 @@ def run_profile(llm, prompts: Sequence[BenchPrompt], spec: SpeculativeConfig, sa
         ids = [llm.encode_prompt(chats[0], None)]
         key = _bucket_key(llm, chats, sampling.max_new_tokens)
         if key not in warm:  # the host-stepped functions compile apart from the fused loop
-            spec_api.generate(llm, chats, ids, [sampling], spec, profile=True)
+            speculative.generate(llm, chats, ids, [sampling], spec, profile=True)
             warm.add(key)
-        m = spec_api.generate(llm, chats, ids, [sampling], spec, profile=True)[0].metrics
+        m = speculative.generate(llm, chats, ids, [sampling], spec, profile=True)[0].metrics
         draft += m.draft_time
         verify += m.verify_time
         steps += m.target_forwards - 1  # one verify forward per host step; prefill excluded
@@ -352,179 +355,3 @@ def environment(llm) -> dict:
             "attention_impl": llm.attention_impl, "backend": llm.backend,
             "cpu_matmul": _cpu_kernel_mode(cpu_matmul), "cpu_attention": _cpu_kernel_mode(cpu_attention),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-def markdown(summary: dict, title: str) -> str:
-    lines = [f"## {title}", ""]
-    cats = [c for c in next(iter(summary.values())) if c != "overall"] + ["overall"]
-    lines.append("| method | " + " | ".join(cats) + " |")
-    lines.append("|---|" + "---|" * len(cats))
-    for method, per in summary.items():
-        cells = []
-        for c in cats:
-            a = per[c]
-            cell = f"{a['tokens_per_s']:.1f} tok/s"
-            if "speedup" in a and method != "plain":
-                cell += f", {a['speedup']:.2f}x"
-            if "tau" in a:
-                cell += f", α {a['acceptance_rate']:.2f}, τ {a['tau']:.2f}"
-            cells.append(cell)
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines.append("")
-    same = {m: per["overall"]["identical_to_plain"] for m, per in summary.items()
-            if "identical_to_plain" in per["overall"]}
-    if same:
-        lines += ["Greedy output identical to plain greedy, token for token: " + "; ".join(
-            f"{m} {a}/{n}" for m, (a, n) in same.items()), ""]
-    if any(per["overall"].get("lossy") for per in summary.values()):
-        lines += [f"{LOSSY_TAG}: typical acceptance; outputs do not follow the target model's distribution.", ""]
-    lines += per_position_markdown(summary)
-    return "\n".join(lines) + "\n"
-
-
-def per_position_markdown(summary: dict) -> list[str]:
-    """One row per speculative method: acceptance rate at draft depth 1, 2, ... (overall)."""
-    rows = {m: per["overall"]["per_position"] for m, per in summary.items() if "per_position" in per["overall"]}
-    if not rows:
-        return []
-    depth = max(len(v) for v in rows.values())
-    lines = ["Per-position acceptance (overall):", "", "| method | " + " | ".join(f"d{i}" for i in
-                                                                               range(1, depth + 1)) + " |",
-             "|---|" + "---|" * depth]
-    for m, pp in rows.items():
-        lines.append(f"| {m} | " + " | ".join(f"{x:.2f}" for x in pp) + " |" + " |" * (depth - len(pp)))
-    return lines + [""]
-
-
-def throughput_markdown(table: dict, title: str) -> str:
-    """{method: {batch: figures}} -> the 'tokens/s against batch size' table."""
-    batches = sorted({int(b) for per in table.values() for b in per})
-    lines = [f"### {title}: tokens/s against batch size", "", "| method | " + " | ".join(f"batch {b}" for b in
-                                                                                        batches) + " |",
-             "|---|" + "---|" * len(batches)]
-    for method, per in table.items():
-        cells = []
-        for b in batches:
-            f = per.get(str(b))
-            if f is None:
-                cells.append("")
-                continue
-            cell = f"{f['tokens_per_s']:.1f}"
-            if "tau" in f:
-                cell += f", α {f['acceptance_rate']:.2f}, τ {f['tau']:.2f}"
-            if f.get("greedy_equal_to_batch1") is False:
-                cell += ", greedy differs from batch 1"
-            elif f.get("greedy_equal_to_plain_batch1") is True:
-                cell += ", = plain greedy"
-            elif f.get("greedy_equal_to_plain_batch1") is False:
-                cell += ", greedy differs from plain"
-            cells.append(cell)
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines += ["", "Every batch size is timed around whole `llm.generate` calls (batch 1: the per-prompt run).",
-              ""]
-    return "\n".join(lines)
-
-
-def profile_markdown(profile: dict, title: str) -> str:
-    """{method: profile_figures} -> the draft against verify time table."""
-    lines = [f"### {title}: draft vs verify time (host-stepped, batch 1)", "",
-             "| method | prompts | draft s | verify s | draft share | verify ms/step | draft ms/step |",
-             "|---|---|---|---|---|---|---|"]
-    for m, f in profile.items():
-        lines.append(f"| {m} | {f['requests']} | {f['draft_s']:.3f} | {f['verify_s']:.3f} | "
-                     f"{100 * f['draft_share']:.0f}% | {f['verify_ms_per_step']:.2f} | {f['draft_ms_per_step']:.2f} |")
-    return "\n".join(lines) + "\n"
-
-
-def print_table(summary: dict, title: str) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # pragma: no cover - rich is a dependency
-        print(markdown(summary, title))
-        return
-    cats = [c for c in next(iter(summary.values())) if c != "overall"] + ["overall"]
-    t = Table(title=title)
-    t.add_column("method")
-    for c in cats:
-        t.add_column(c, justify="right")
-    for method, per in summary.items():
-        row = []
-        for c in cats:
-            a = per[c]
-            s = f"{a['tokens_per_s']:.1f}"
-            if "speedup" in a and method != "plain":
-                s += f" {a['speedup']:.2f}x"
-            if "tau" in a:
-                s += f"\nα{a['acceptance_rate']:.2f} τ{a['tau']:.2f}"
-            row.append(s)
-        t.add_row(method, *row)
-    Console().print(t)
-
-
-def plot(summary: dict, path_prefix: str, title: str) -> list[str]:
-    """PNG plots: speedup by category and method, acceptance by position. Returns the files written."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    files = []
-    cats = [c for c in next(iter(summary.values())) if c != "overall"] + ["overall"]
-    methods = [m for m in summary if m != "plain"]
-    if methods:
-        fig, ax = plt.subplots(figsize=(max(6, len(cats) * 0.9), 4))
-        w = 0.8 / len(methods)
-        for i, m in enumerate(methods):
-            ax.bar(np.arange(len(cats)) + i * w, [summary[m][c].get("speedup", np.nan) for c in cats], w, label=m)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(np.arange(len(cats)) + 0.4 - w / 2, cats, rotation=30, ha="right")
-        ax.set_ylabel("speedup over specjax plain")
-        ax.set_title(f"{title}: speedup by category")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        files.append(f"{path_prefix}_speedup.png")
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
-    spec = [m for m in summary if "per_position" in summary[m]["overall"]]
-    if spec:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for m in spec:
-            pp = summary[m]["overall"]["per_position"]
-            ax.plot(np.arange(1, len(pp) + 1), pp, marker="o", label=m)
-        ax.set_xlabel("draft position (depth)")
-        ax.set_ylabel("acceptance rate")
-        ax.set_ylim(0, 1)
-        ax.set_title(f"{title}: acceptance by position")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        files.append(f"{path_prefix}_acceptance.png")
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
-    return files
-
-
-def plot_throughput(table: dict, path: str, title: str) -> list[str]:
-    """PNG: tokens/s against batch size, one line per method. Returns the files written."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method, per in table.items():
-        batches = sorted(int(b) for b in per)
-        ax.plot(batches, [per[str(b)]["tokens_per_s"] for b in batches], marker="o", label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("tokens/s")
-    ax.set_title(f"{title}: tokens/s against batch size")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]

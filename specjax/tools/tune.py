@@ -1,28 +1,23 @@
-"""Cost model and tuner: pick the speculation length (chain drafters) or the draft tree size (tree drafters) that
-maximises predicted tokens/s on this hardware.
+"""The tuner: pick the speculation length (chain drafters) or the draft tree size (tree drafters) that maximises
+predicted tokens/s on this hardware, by measuring acceptance and step costs and feeding them to the cost model
+(`specjax.tools.cost_model`, where the formulas are); then, to check the model, measure every candidate.
 
-Chain drafters (ngram, draft_model, suffix) -- Leviathan et al. 2023, generalised to measured per-position
-acceptance and measured costs:
-    one verify step with gamma drafted tokens yields  E[tokens | gamma] = 1 + sum_{k <= gamma} P(depth k accepted)
-    and costs                                           t_draft(gamma) + t_verify(gamma + 1)
-    predicted tokens/s = E[tokens | gamma] / cost;  plain decoding = 1 / t_verify(1).
-With i.i.d. acceptance alpha, E[tokens | gamma] = (1 - alpha^(gamma+1)) / (1 - alpha) (NOT the 1/(1-alpha*gamma)
-that circulates); that closed form is printed next to the measured one. P(depth k accepted) comes from one
-measurement run at the largest gamma: for a chain, truncating it to gamma' does not change whether the first
-gamma' tokens are accepted, so one run gives the curve for every shorter gamma.
+Chain drafters (ngram, draft_model, suffix): acceptance is measured once, at the largest gamma (a chain cut to a
+shorter gamma accepts the same first tokens); the i.i.d. closed form of Leviathan et al. is printed next to the
+measured E[tokens] in the validation table.
 
 Costs are timed inside the real generation loop, not in micro-benchmarks: a short generation at each setting (two
 prompts, speculation forced on, every step verifying even on a lookup miss) gives the seconds of one speculative
-step, draft and verify and acceptance together, and a plain generation the seconds of one plain step. A forward timed alone at a fixed context was
-noisy and up to 1.5x the cost of the same forward inside the compiled loop (reports/tune_cpu). Every timed
-generation runs after a warm-up that compiled every prompt bucket it meets, and each prompt keeps its fastest of
-`reps` runs.
+step, draft and verify and acceptance together, and a plain generation the seconds of one plain step. A forward
+timed alone at a fixed context was noisy and up to 1.5x the cost of the same forward inside the compiled loop
+(reports/tune_cpu). Every timed generation runs after a warm-up that compiled every prompt bucket it meets, and
+each prompt keeps its fastest of `reps` runs.
 
 Tree drafters (medusa, eagle, eagle3): a size s is s drafted nodes (root excluded). Which path wins depends on
 every branch kept, and an EAGLE tree re-ranks its candidates with the budget, so acceptance cannot be read off one
-run by truncation: it is measured at every size. A step yields E[tokens | s] = 1 + accepted / verify step and costs
-t_draft(s) + t_verify(s + 1). For eagle/eagle3 size s is total_tokens = s with depth min(depth, s); for medusa it
-is the first s paths of the heads' default tree, which is ordered best-first, so every prefix is a valid tree.
+run by truncation: it is measured at every size. For eagle/eagle3 size s is total_tokens = s with depth
+min(depth, s); for medusa it is the first s paths of the heads' default tree, which is ordered best-first, so
+every prefix is a valid tree.
 
 Plain decoding is a candidate too (setting OFF = 0, speedup 1 by definition): where nothing is predicted to pay,
 the tuner recommends no speculation, and its validation measures every setting against that choice.
@@ -34,49 +29,30 @@ import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import SamplingParams, SpeculativeConfig
 from specjax.errors import SpecjaxError
+from specjax.tools.cost_model import (
+    OFF,
+    Acceptance,
+    Costs,
+    _best_speculative,
+    choose,
+    leviathan_expected_tokens,
+    predict,
+    predict_tree,
+    with_plain,
+)
 
 TREE_METHODS = ("medusa", "eagle", "eagle3")
 DEFAULT_GAMMAS = (1, 2, 4, 6, 8)
 DEFAULT_TREE_SIZES = (4, 8, 12, 20, 32)
 TOLERANCE = 0.15  # |predicted - measured| / measured speedup the cost model should stay within
-OFF = 0  # the setting "no speculation": plain decoding, a candidate like any gamma or tree size
 
 
 class TuneError(SpecjaxError, ValueError):
     """The tuner cannot run with these settings; the message says which and how to fix them."""
-
-
-@dataclasses.dataclass
-class Costs:
-    plain_s: float  # seconds of one plain decode step inside the generation loop
-    step_s: dict[int, float]  # gamma (chain) or tree size -> seconds of one speculative step inside the loop
-    draft_s: dict[int, float] = dataclasses.field(default_factory=dict)  # same keys -> one propose timed alone
-
-
-@dataclasses.dataclass
-class Acceptance:
-    """Speculation counts summed over the prompts of one measurement run."""
-
-    accepted: int = 0
-    drafted: int = 0
-    verify_steps: int = 0
-    plain_steps: int = 0  # steps with nothing proposed (an n-gram miss): one plain forward, one token
-    per_position_accepted: list = dataclasses.field(default_factory=list)
-    per_prompt_verify_steps: list = dataclasses.field(default_factory=list)
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def expected_tokens(self) -> float:
-        """Tokens per verify step: the accepted drafts plus the one the target samples itself."""
-        return 1.0 + self.accepted / max(self.verify_steps, 1)
 
 
 def _best_time(f, *args, reps: int = 5) -> float:
@@ -91,9 +67,9 @@ def _best_time(f, *args, reps: int = 5) -> float:
 
 def prompt_bucket(llm, prompt) -> int:
     """The prompt-length bucket a chat prompt compiles for (`engine.make_buckets` rounds to a power of two)."""
-    from specjax.engine import _pow2
+    from specjax.engine import make_buckets
 
-    return _pow2(len(llm.encode_prompt(prompt, True)), 16)
+    return make_buckets(1, len(llm.encode_prompt(prompt, True)), 1).prompt_len
 
 
 def warm_up(llm, prompts: list, spec: SpeculativeConfig | None, sp: SamplingParams,
@@ -125,18 +101,18 @@ class Run:
 def _as_first_request(llm, prompt, sp: SamplingParams, spec: SpeculativeConfig | None,
                       force_verify: bool = False):
     """Generate `prompt` as a first request: no suffix index of earlier outputs, no back-off gain prior
-    (`spec_api.learned_state`; the measured break-even stays). Tuning generates the same prompts many times, for
+    (`speculative.learned_state`; the measured break-even stays). Tuning generates the same prompts many times, for
     several settings of one drafter: a later generation would otherwise find the prompt's answer in the suffix
     index and its acceptance in the prior. The caller puts the LLM's own learned state back afterwards.
-    force_verify: every step of a speculative generation verifies (`spec_api.generate`)."""
-    from specjax.runners import speculative as spec_api
+    force_verify: every step of a speculative generation verifies (`speculative.generate`)."""
+    from specjax.runners import speculative
     from specjax.runners.speculative import restore_learned
 
     restore_learned(llm, {})
     if spec is None or not force_verify:
         return llm.generate([prompt], sp, spec, chat=True)[0]
     spec = SpeculativeConfig.from_user(spec)
-    return spec_api.generate(llm, [prompt], [llm.encode_prompt(prompt, True)], [sp], spec, force_verify=True)[0]
+    return speculative.generate(llm, [prompt], [llm.encode_prompt(prompt, True)], [sp], spec, force_verify=True)[0]
 
 
 def timed_runs(llm, prompts: list, specs: dict, sp: SamplingParams, reps: int = 2,
@@ -206,10 +182,10 @@ def measure_draft_cost(llm, spec: SpeculativeConfig, prompt: list[int]) -> float
     """Seconds of one propose of the drafter `spec` builds (any drafter, chain or tree) after prefilling `prompt`;
     0 for host-side drafters, whose proposals are timed by the generation itself."""
     from specjax import engine, spec_engine
-    from specjax.api import pad_prompts
-    from specjax.runners.speculative import build_drafter
+    from specjax.requests import pad_prompts
+    from specjax.runners.speculative import drafter_for
 
-    drafter, dparams = build_drafter(llm, spec)
+    drafter, dparams = drafter_for(llm, spec)
     if getattr(drafter, "host_side", False):
         return 0.0
     b = engine.make_buckets(1, len(prompt), 64, extra_slots=drafter.tree.num_nodes)
@@ -241,60 +217,6 @@ def measure_acceptance(llm, spec: SpeculativeConfig, prompts: list, sp: Sampling
         acc.per_prompt_verify_steps.append(m.verify_steps)
     restore_learned(llm, saved)
     return acc
-
-
-def expected_tokens(pos_accepted: np.ndarray, steps: int, gamma: int) -> float:
-    """E[tokens per verify step] when the chain is cut to gamma, from per-depth accepted counts."""
-    return 1.0 + float(np.sum(pos_accepted[:gamma])) / max(steps, 1)
-
-
-def leviathan_expected_tokens(alpha: float, gamma: int) -> float:
-    """E[tokens per step] of a gamma chain under i.i.d. acceptance alpha: 1 + alpha + ... + alpha^gamma."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
-def _prediction(costs: Costs, key: int, e: float, steps: int, plain_steps: int) -> dict:
-    """Predicted tokens/s of one setting: `steps` speculative steps of E[tokens] = e at `costs.step_s[key]` each,
-    plus `plain_steps` plain steps of one token each."""
-    plain = 1.0 / costs.plain_s
-    step = costs.step_s[key]
-    tokens = plain_steps + steps * e
-    seconds = plain_steps * costs.plain_s + steps * step
-    tps = tokens / seconds
-    return {"expected_tokens": e, "step_s": step, "tokens_per_s": tps, "speedup": tps / plain}
-
-
-def predict(costs: Costs, pos_accepted: np.ndarray, steps: int, gammas: Sequence[int],
-            plain_steps: int = 0) -> dict[int, dict]:
-    """Predicted tokens/s per gamma. `plain_steps` are steps where nothing was proposed (an n-gram miss): they
-    cost one plain forward and yield one token whatever gamma is."""
-    return {g: _prediction(costs, g, expected_tokens(pos_accepted, steps, g), steps, plain_steps) for g in gammas}
-
-
-def predict_tree(costs: Costs, acceptance: dict[int, Acceptance]) -> dict[int, dict]:
-    """Predicted tokens/s per tree size s from the acceptance measured at that size:
-    (1 + accepted / verify step) / t_step(s), plain steps (if any) at one token each."""
-    return {s: _prediction(costs, s, a.expected_tokens, a.verify_steps, a.plain_steps)
-            for s, a in acceptance.items()}
-
-
-def with_plain(costs: Costs, pred: dict[int, dict]) -> dict[int, dict]:
-    """`pred` plus the setting OFF (plain decoding: one token per plain step, speedup 1 by definition), so that the
-    tuner recommends no speculation where no setting is predicted to pay for itself."""
-    plain = {"expected_tokens": 1.0, "step_s": costs.plain_s, "tokens_per_s": 1.0 / costs.plain_s, "speedup": 1.0}
-    return {OFF: plain} | pred
-
-
-def choose(pred: dict[int, dict]) -> int:
-    """The setting with the largest predicted tokens/s (the smaller one on a tie: cheaper to run; OFF = 0 wins a
-    tie with every speculative setting)."""
-    return max(sorted(pred), key=lambda k: pred[k]["tokens_per_s"])
-
-
-def _best_speculative(pred: dict[int, dict]) -> int:
-    return choose({k: v for k, v in pred.items() if k != OFF})
 
 
 # ============================================================================================ tree sizes
@@ -358,10 +280,10 @@ def tree_configs(llm, spec: SpeculativeConfig, sizes: Sequence[int]) -> tuple[di
 
 
 def _tree_configs(llm, spec: SpeculativeConfig, sizes: Sequence[int]) -> tuple[dict[int, SpeculativeConfig], list[str]]:
-    from specjax.runners.speculative import build_drafter
+    from specjax.runners.speculative import drafter_for
 
     if spec.method == "medusa":
-        drafter, _ = build_drafter(llm, dataclasses.replace(spec, tree_choices=None))
+        drafter, _ = drafter_for(llm, dataclasses.replace(spec, tree_choices=None))
         found, skipped = medusa_tree_choices(drafter.choices, sizes)
         if spec.tree_choices is not None:
             skipped.insert(0, f"configured tree_choices ({len(spec.tree_choices)} paths) not used: sizes are "

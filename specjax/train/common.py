@@ -1,53 +1,88 @@
-"""What every trainer shares: the optimizer, orbax checkpoints, the resumable metrics log.
+"""Small pieces every trainer and the data generator share: the error base, the run-settings guard, the output
+vocabulary choice, cached arrays and progress bars.
 
-The draft-model, Medusa and EAGLE trainers (`specjax.train.draft_model`, `.medusa`, `.heads`) differ in data and loss;
-the training scaffolding below is one piece, so a resumed run behaves the same whichever head it trains.
+Imports go one way: the trainers (`draft_model`, `eagle`, `medusa`) use this module, `loop`, `features` and `data`;
+this module imports none of them.
 """
 from __future__ import annotations
 
 import json
 import os
+from typing import Callable
+
+import numpy as np
+
+from specjax.errors import SpecjaxError
 
 
-def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
-    """(AdamW with global-norm clipping over a warmup + cosine schedule ending at 5% of lr, the schedule)."""
-    import optax
-
-    warmup = max(1, min(warmup, steps - 1)) if steps > 1 else 1
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.05)
-    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay)), schedule
+class TrainError(SpecjaxError, ValueError):
+    """A training run cannot start or continue as asked; the message says how to fix it."""
 
 
-def checkpoint_manager(out: str, every: int):
-    """An orbax manager for OUT/checkpoints keeping the last two, synchronous (a killed run loses at most
-    `every` steps and never leaves a half-written latest checkpoint behind)."""
-    import orbax.checkpoint as ocp
+def check_run(out: str, run: dict, error: type[Exception] = TrainError) -> None:
+    """Create OUT and record the run's settings in OUT/run.json; raise `error` if OUT holds a run with others.
 
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")), options=options)
-
-
-def read_metrics(path: str, upto: int) -> list[dict]:
-    """Metrics logged up to step `upto` (a resumed run drops what was logged after its checkpoint)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
-    recs = [r for r in recs if r["step"] <= upto]
+    run: the settings that decide what is trained (JSON-able values, in a stable order). A rerun with the same
+    settings resumes; with other ones it would mix two runs' checkpoints, so it stops instead.
+    """
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "run.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        diff = {k: (old.get(k), v) for k, v in run.items() if old.get(k) != v}
+        if diff:
+            raise error(f"{out} holds a run with other settings {diff} (old, new); resume with the same arguments "
+                        "or pick a new --out")
     with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in recs)
-    return recs
+        json.dump(run, f, indent=2)
 
 
-def pyplot_or_none(path: str):
-    """matplotlib.pyplot on the Agg backend, or None (with a note naming the missing extra) when matplotlib is
-    absent: a finished training run must not fail at its last step over a plot."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed (pip install 'specjax[plots]'): no training curves at {path}")
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def always_ids(meta: dict) -> list[int]:
+    """Token ids every output vocabulary keeps: the first three specials and the data's stop tokens."""
+    return sorted({0, 1, 2, *meta.get("stop_token_ids", [])})
 
-    return plt
+
+def select_vocab(arrays: dict, size: int, vocab_size: int, always=(0, 1, 2), rows=None,
+                 what: str = "draft vocabulary size") -> np.ndarray:
+    """The `size` target ids a draft or head predicts, ascending.
+
+    Ranked by how often each token is the target's output in the data: the emitted response tokens plus the
+    probability mass of the target's top-k at every response step (rows: which sequences to count; default
+    all). `always` (special and stop tokens) is kept whatever its count. When the data names fewer than
+    `size` tokens, the rest are the lowest unused ids: byte-level BPE numbers merges in training order, so
+    low ids are the generic, frequent pieces. what: how the error message names `size`.
+    """
+    if not len(always) <= size <= vocab_size:
+        raise TrainError(f"{what} {size} must lie in [{len(always)}, {vocab_size}]")
+    rows = np.arange(arrays["tokens"].shape[0]) if rows is None else np.asarray(rows)
+    score = np.zeros(vocab_size, np.float64)
+    R = arrays["topk_ids"].shape[1]
+    for n in rows:
+        p, k = int(arrays["prompt_len"][n]), int(arrays["length"][n] - arrays["prompt_len"][n])
+        np.add.at(score, arrays["tokens"][n, p:p + k], 1.0)
+        steps = np.arange(R) < k
+        np.add.at(score, arrays["topk_ids"][n][steps].ravel(),
+                  np.exp(arrays["topk_logp"][n][steps].astype(np.float64)).ravel())
+    score[list(always)] = np.inf
+    # Stable ranking: score descending, then id ascending (so unseen tokens come in id order).
+    order = np.lexsort((np.arange(vocab_size), -score))
+    return np.sort(order[:size]).astype(np.int32)
+
+
+def cached_array(path: str, make: Callable[[], np.ndarray]) -> np.ndarray:
+    """The array saved at `path` (.npy), or `make()` saved there first: a resumed run keeps its first choice."""
+    if os.path.exists(path):
+        return np.load(path, allow_pickle=False)
+    arr = make()
+    np.save(path, arr)
+    return arr
+
+
+def progress_bar(it, enabled: bool, **kw):
+    """`it` under a tqdm bar when enabled, else `it` itself (tqdm is imported only when a bar is shown)."""
+    if not enabled:
+        return it
+    from tqdm import tqdm
+
+    return tqdm(it, **kw)

@@ -40,6 +40,7 @@ import numpy as np
 from specjax.kv_cache import init_cache
 from specjax.sampling import top_k as top_k_two_stage
 from specjax.models.llama import LlamaConfig, forward
+from specjax.train.common import progress_bar
 from specjax.train.prompts import Prompt, build_prompts, is_heldout
 from specjax.errors import SpecjaxError
 
@@ -201,7 +202,7 @@ def generate_dataset(params: dict, config: LlamaConfig, tokenizer, prompts: list
     H = config.hidden_size
     feat_path = lambda b: f"{partial}.features{b}.npz"
     step_feats: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch -> (prompt [B, P, F], response [B, R, F])
-    bar = _tqdm([b for b, d in zip(batches, done) if not d], progress, desc="generate", unit="batch",
+    bar = progress_bar([b for b, d in zip(batches, done) if not d], progress, desc="generate", unit="batch",
                 initial=int(done.sum()), total=len(batches))
     made = 0
     t0 = time.perf_counter()
@@ -312,14 +313,6 @@ def load_dataset(path: str) -> tuple[dict[str, np.ndarray], dict]:
     return arrays, meta
 
 
-def _tqdm(it, enabled: bool, **kw):
-    if not enabled:
-        return it
-    from tqdm import tqdm
-
-    return tqdm(it, **kw)
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m specjax.train.data",
                                  description="Generate self-distillation data from the target model.")
@@ -379,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
             "generation_seconds": round(seconds, 1), "stop_token_ids": list(loaded.tokenizer.stop_token_ids)}
     save_dataset(args.out, arrays, meta)
     if args.features_out:
-        from specjax.train.eagle import feature_cache_key, save_feature_cache
+        from specjax.train.features import feature_cache_key, save_feature_cache
 
         save_feature_cache(args.features_out, feature_cache_key(args.out, args.target, layers),
                            {"final": arrays["features_final"], "layers": arrays["features_layers"]})

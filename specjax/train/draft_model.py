@@ -1,233 +1,34 @@
-"""Distil a small draft model from its target, and save/load it in the specjax draft format.
+"""Distil a small draft model from its target (the draft format itself: `specjax.models.draft_io`).
 
-The draft is a Llama decoder of a few layers with the target's width. It owns no embedding and no LM head:
-its input embedding is the target's `embed` [V, H] (it reads target token ids) and its output head is
-`target_embed[d2t].T` [H, Vd], a reduced vocabulary of the Vd target tokens that matter most in the training
-data (like EAGLE-3's draft vocabulary). A draft step then reads ~Vd*H instead of V*H head weights, and the
-shipped file holds only the layers, the final norm and `d2t`.
-
-Format (a directory):
-    config.json        HF Llama config (num_hidden_layers small, tie_word_embeddings false) plus
-                       "specjax_draft": {"target", "shares_target_embeddings": true, "draft_vocab_size": Vd}
-    model.safetensors  model.layers.{i}.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
-                       input_layernorm, post_attention_layernorm}.weight ([out, in], bf16/f16),
-                       model.norm.weight, and d2t int32 [Vd] (target id of each draft-vocabulary entry,
-                       ascending). No embedding or lm_head tensors.
-Draft logits are over the Vd entries; the full-vocabulary distribution puts them at target ids d2t and
-zero elsewhere.
+The draft is a few Llama layers of the target's width that share the target's embedding; its head is the
+embedding rows of a reduced draft vocabulary `d2t` (see `specjax.models.draft_io`).
 
 Training (`python -m specjax.train.draft_model --data FILE --out DIR --steps N`): layers initialised from chosen
 target layers, trained with AdamW (warmup + cosine) on the response tokens of self-distillation data
 (`specjax.train.data`) against the target's top-k distribution restricted to the draft vocabulary, plus an
-optional cross-entropy on the target's greedy token. Orbax checkpoints every N steps; rerunning the same
-command resumes from the last one.
+optional cross-entropy on the target's greedy token. The loop is `specjax.train.loop.fit`: orbax checkpoints
+every N steps, and rerunning the same command resumes from the last one.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
-import math
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.kv_cache import init_cache
+from specjax.models.draft_io import DraftError, draft_config, load_draft, save_draft
 from specjax.models.llama import LlamaConfig, forward
-from specjax.train.common import checkpoint_manager as _checkpoint_manager, make_optimizer, pyplot_or_none, read_metrics as _read_metrics
-from specjax.errors import SpecjaxError
+from specjax.train.common import always_ids, cached_array, check_run, select_vocab
+from specjax.train.loop import add_loop_options, apply_gradients, fit, last_eval, make_optimizer, pyplot_or_none, \
+    report, save_figure, smoothed, split_history, train_mean
 
-DRAFT_KEY = "specjax_draft"
-_LAYER_NAMES = {  # specjax layer param -> HF tensor suffix; matrices are stored transposed ([out, in])
-    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
-    "wo": "self_attn.o_proj.weight", "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
-    "w_down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
-    "mlp_norm": "post_attention_layernorm.weight",
-}
-_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-class DraftError(SpecjaxError, ValueError):
-    """A draft model cannot be saved, loaded or trained as asked; the message says how to fix it."""
-
-
-# ============================================================================================ format
-def draft_config(target: LlamaConfig, num_layers: int, intermediate_size: int | None = None) -> LlamaConfig:
-    """The draft architecture for `target`: same width, heads, RoPE and norm, `num_layers` layers, untied."""
-    if num_layers < 1:
-        raise DraftError(f"a draft needs at least one layer, got num_layers={num_layers}")
-    if target.attention_bias:
-        raise DraftError("drafts for targets with attention biases (Qwen2) are not supported yet")
-    return dataclasses.replace(target, num_layers=num_layers,
-                               intermediate_size=intermediate_size or target.intermediate_size,
-                               tie_word_embeddings=False, architecture="LlamaForCausalLM")
-
-
-def hf_config(config: LlamaConfig, target: str, draft_vocab_size: int) -> dict:
-    """config.json contents for a draft (an HF Llama config plus the `specjax_draft` key)."""
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings, "vocab_size": config.vocab_size,
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
-        DRAFT_KEY: {"target": target, "shares_target_embeddings": True, "draft_vocab_size": int(draft_vocab_size)},
-    }
-    if config.rope_scaling:
-        cfg["rope_scaling"] = dict(config.rope_scaling)
-    return cfg
-
-
-def _check_d2t(d2t: np.ndarray, vocab_size: int, where: str) -> np.ndarray:
-    d2t = np.asarray(d2t)
-    if d2t.ndim != 1 or d2t.size == 0 or d2t.dtype.kind not in "iu":
-        raise DraftError(f"{where}: d2t must be a non-empty 1-D integer array, got {d2t.dtype} {d2t.shape}")
-    if d2t.min() < 0 or d2t.max() >= vocab_size:
-        raise DraftError(f"{where}: d2t holds ids outside the target vocabulary [0, {vocab_size})")
-    if np.unique(d2t).size != d2t.size:
-        raise DraftError(f"{where}: d2t lists a target id twice; each draft entry must map to a distinct token")
-    return d2t.astype(np.int32)
-
-
-def save_draft(path: str, config: LlamaConfig, layer_params: dict, d2t, meta: dict, dtype: str = "bfloat16") -> None:
-    """Write a draft directory (config.json + model.safetensors).
-
-    layer_params: {"layers": L x {attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down}, "final_norm" [H]}
-    in the specjax layout ([in, out] matrices); "embed"/"lm_head" keys, if present, are not written (they
-    come from the target at load time). d2t [Vd] target ids. meta: must hold "target" (the target's model
-    spec); every entry is also stored, JSON-encoded, in the safetensors metadata. dtype: bfloat16 | float16.
-    """
-    from safetensors.flax import save_file
-
-    if dtype not in ("bfloat16", "float16"):
-        raise DraftError(f"draft weights are stored as bfloat16 or float16, not {dtype!r}")
-    if "target" not in meta:
-        raise DraftError("save_draft: meta must name the target model, e.g. {'target': 'smollm2-135m'}")
-    layers = layer_params.get("layers")
-    if not isinstance(layers, (list, tuple)) or len(layers) != config.num_layers or "final_norm" not in layer_params:
-        raise DraftError(f"save_draft: layer_params needs 'layers' (a list of {config.num_layers} layer dicts) "
-                         "and 'final_norm'")
-    d2t = _check_d2t(d2t, config.vocab_size, "save_draft")
-    jdtype = jnp.dtype(dtype)
-    tensors = {}
-    for i, lp in enumerate(layers):
-        for key, suffix in _LAYER_NAMES.items():
-            if key not in lp:
-                raise DraftError(f"save_draft: layer {i} has no {key!r}")
-            w = jnp.asarray(lp[key])
-            tensors[f"model.layers.{i}.{suffix}"] = (w.T if key in _MATRICES else w).astype(jdtype)
-    tensors["model.norm.weight"] = jnp.asarray(layer_params["final_norm"]).astype(jdtype)
-    tensors["d2t"] = jnp.asarray(d2t, jnp.int32)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config(config, meta["target"], d2t.size), f, indent=2)
-        f.write("\n")
-    save_file(tensors, os.path.join(path, "model.safetensors"),
-              metadata={str(k): json.dumps(v) for k, v in meta.items()})
-
-
-def load_draft(path: str, target_params: dict, dtype=None) -> tuple[LlamaConfig, dict, jax.Array]:
-    """Read a draft directory and attach the target's embedding.
-
-    target_params: the target's params (its "embed" [V, H] is shared). dtype: of the returned draft layers
-    (default: the target embedding's dtype).
-    Returns (config, params, d2t): config.tie_word_embeddings is False and vocab_size is the target's V;
-    params = {"embed": target embed [V, H], "layers": [...], "final_norm": [H], "lm_head": embed[d2t].T
-    [H, Vd]}, so `forward` gives logits over the Vd draft entries; d2t int32 [Vd].
-    """
-    from specjax.models.loading import ModelLoadError, config_from_hf, params_from_hf_tensors, read_safetensors
-
-    cfg_path = os.path.join(path, "config.json")
-    st_path = os.path.join(path, "model.safetensors")
-    for p in (cfg_path, st_path):
-        if not os.path.isfile(p):
-            raise DraftError(f"draft directory {path!r} has no {os.path.basename(p)}; "
-                             "train and save one with `python -m specjax.train.draft_model`")
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise DraftError(f"{cfg_path}: invalid JSON ({e})") from None
-    info = raw.get(DRAFT_KEY)
-    if not isinstance(info, dict) or not info.get("shares_target_embeddings"):
-        raise DraftError(f"{cfg_path}: no '{DRAFT_KEY}' entry with shares_target_embeddings=true; this is not a "
-                         "specjax draft (a standalone HF model loads with specjax.models.loading instead)")
-    try:
-        config = config_from_hf(raw, cfg_path)
-        tensors = read_safetensors([st_path])
-    except ModelLoadError as e:
-        raise DraftError(str(e)) from None
-    if "embed" not in target_params:
-        raise DraftError("load_draft: target_params has no 'embed'; pass the target's full params")
-    embed = target_params["embed"]
-    V, H = embed.shape
-    if config.vocab_size != V or config.hidden_size != H:
-        raise DraftError(f"{cfg_path}: draft expects a target with vocab {config.vocab_size} and hidden "
-                         f"{config.hidden_size}, but the target embedding is [{V}, {H}]; use the draft's own target")
-    stray = [n for n in tensors if n in ("model.embed_tokens.weight", "lm_head.weight")]
-    if stray:
-        raise DraftError(f"{st_path}: holds {stray}; a specjax draft shares the target's embedding and must not")
-    if "d2t" not in tensors:
-        raise DraftError(f"{st_path}: tensor 'd2t' (draft vocabulary -> target ids) is missing")
-    d2t = _check_d2t(tensors.pop("d2t"), V, st_path)
-    if int(info.get("draft_vocab_size", d2t.size)) != d2t.size:
-        raise DraftError(f"{cfg_path}: draft_vocab_size {info.get('draft_vocab_size')} != len(d2t) {d2t.size}")
-    # The HF mapper wants the untied head and embedding it would load; give it placeholders, then replace them.
-    tensors["model.embed_tokens.weight"] = np.zeros((0, H), np.float32)
-    tensors["lm_head.weight"] = np.zeros((0, H), np.float32)
-    try:
-        hf = params_from_hf_tensors(tensors, config, path)
-    except ModelLoadError as e:
-        raise DraftError(str(e)) from None
-    dt = dtype or embed.dtype
-    layers = [{k: jnp.asarray(v, dt) for k, v in lp.items()} for lp in hf["layers"]]
-    for i, lp in enumerate(layers):
-        for k, shape in _layer_shapes(config).items():
-            if tuple(lp[k].shape) != shape:
-                raise DraftError(f"{st_path}: layer {i} {k} has shape {tuple(lp[k].shape)}, expected {shape}")
-    d2t_j = jnp.asarray(d2t, jnp.int32)
-    params = {"embed": embed, "layers": layers, "final_norm": jnp.asarray(hf["final_norm"], dt),
-              "lm_head": jnp.take(embed, d2t_j, axis=0).T}
-    return dataclasses.replace(config, tie_word_embeddings=False), params, d2t_j
-
-
-def _layer_shapes(c: LlamaConfig) -> dict:
-    H, F, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return {"attn_norm": (H,), "wq": (H, q), "wk": (H, kv), "wv": (H, kv), "wo": (q, H), "mlp_norm": (H,),
-            "w_gate": (H, F), "w_up": (H, F), "w_down": (F, H)}
-
-
-# ============================================================================================ vocabulary
-def select_draft_vocab(arrays: dict, size: int, vocab_size: int, always=(0, 1, 2), rows=None) -> np.ndarray:
-    """The `size` target ids the draft predicts, ascending.
-
-    Ranked by how often each token is the target's output in the data: the emitted response tokens plus the
-    probability mass of the target's top-k at every response step (rows: which sequences to count; default
-    all). `always` (special and stop tokens) is kept whatever its count. When the data names fewer than
-    `size` tokens, the rest are the lowest unused ids: byte-level BPE numbers merges in training order, so
-    low ids are the generic, frequent pieces.
-    """
-    if not len(always) <= size <= vocab_size:
-        raise DraftError(f"draft vocabulary size {size} must lie in [{len(always)}, {vocab_size}]")
-    rows = np.arange(arrays["tokens"].shape[0]) if rows is None else np.asarray(rows)
-    score = np.zeros(vocab_size, np.float64)
-    R = arrays["topk_ids"].shape[1]
-    for n in rows:
-        p, k = int(arrays["prompt_len"][n]), int(arrays["length"][n] - arrays["prompt_len"][n])
-        np.add.at(score, arrays["tokens"][n, p:p + k], 1.0)
-        steps = np.arange(R) < k
-        np.add.at(score, arrays["topk_ids"][n][steps].ravel(),
-                  np.exp(arrays["topk_logp"][n][steps].astype(np.float64)).ravel())
-    score[list(always)] = np.inf
-    # Stable ranking: score descending, then id ascending (so unseen tokens come in id order).
-    order = np.lexsort((np.arange(vocab_size), -score))
-    return np.sort(order[:size]).astype(np.int32)
+# The draft's output vocabulary (d2t): the target ids it predicts, chosen from the training data.
+select_draft_vocab = select_vocab
 
 
 # ============================================================================================ training data
@@ -336,17 +137,13 @@ def loss_and_metrics(train: dict, frozen: dict, config: LlamaConfig, batch: dict
     return loss, {"loss": loss, "agree": jnp.sum(match) / count}
 
 
-@functools.partial(jax.jit, static_argnames=("config", "optimizer", "hard_weight"), donate_argnums=(0, 1))
-def train_step(train: dict, opt_state, frozen: dict, batch: dict, *, config: LlamaConfig, optimizer,
-               hard_weight: float):
-    """One AdamW step; train params and optimizer state are donated (updated in place)."""
-    import optax
-
-    grads, metrics = jax.grad(loss_and_metrics, has_aux=True)(train, frozen, config, batch, hard_weight)
-    updates, opt_state = optimizer.update(grads, opt_state, train)
-    return optax.apply_updates(train, updates), opt_state, metrics
+def update(train: dict, opt_state, frozen: dict, batch: dict, *, config: LlamaConfig, optimizer, hard_weight: float):
+    """One AdamW step (pure): (train params, optimizer state, metrics {"loss", "agree"})."""
+    return apply_gradients(loss_and_metrics, optimizer, train, opt_state, frozen, config, batch, hard_weight)
 
 
+# The same step jitted on its own (params and optimizer state donated), for callers outside `fit`.
+train_step = jax.jit(update, static_argnames=("config", "optimizer", "hard_weight"), donate_argnums=(0, 1))
 eval_step = jax.jit(position_losses, static_argnames=("config", "hard_weight"))
 
 
@@ -400,33 +197,20 @@ def evaluate(train: dict, frozen: dict, config: LlamaConfig, targets: dict, batc
             "greedy_in_draft_vocab": in_vocab, **chain_acceptance(match, targets["mask"], depth)}
 
 
-# ============================================================================================ loop
+# ============================================================================================ run
 _RUN_KEYS = ("data", "init_layers", "draft_vocab", "batch", "bucket", "steps", "lr", "warmup", "weight_decay", "hard_weight",
              "seed", "target")
 
 
 def train(args) -> dict:
     """The training run described by the parsed arguments (see `main`). Returns the final summary."""
-    import orbax.checkpoint as ocp
-    from tqdm import tqdm
-
     from specjax.models.loading import load_model
     from specjax.train.data import load_dataset
 
-    os.makedirs(args.out, exist_ok=True)
     run = {k: getattr(args, k) for k in _RUN_KEYS}
     run["init_layers"] = list(run["init_layers"])
     run["data"] = os.path.abspath(run["data"])
-    run_path = os.path.join(args.out, "run.json")
-    if os.path.exists(run_path):
-        with open(run_path) as f:
-            old = json.load(f)
-        diff = {k: (old.get(k), run[k]) for k in _RUN_KEYS if old.get(k) != run[k]}
-        if diff:
-            raise DraftError(f"{args.out} holds a run with other settings {diff} (old, new); resume with the same "
-                             "arguments or pick a new --out")
-    with open(run_path, "w") as f:
-        json.dump(run, f, indent=2)
+    check_run(args.out, run, DraftError)
 
     arrays, meta = load_dataset(args.data)
     target = load_model(args.target, "float32", with_tokenizer=False)
@@ -436,87 +220,47 @@ def train(args) -> dict:
     eval_rows = np.flatnonzero(arrays["heldout"])
     if train_rows.size == 0:
         raise DraftError(f"{args.data}: no training sequences (every row is held out)")
-    d2t_path = os.path.join(args.out, "d2t.npy")
-    if os.path.exists(d2t_path):
-        d2t = np.load(d2t_path, allow_pickle=False)
-    else:
-        always = sorted({0, 1, 2, *meta.get("stop_token_ids", [])})
-        d2t = select_draft_vocab(arrays, args.draft_vocab, V, always=always, rows=train_rows)
-        np.save(d2t_path, d2t)
+    d2t = cached_array(os.path.join(args.out, "d2t.npy"), lambda: select_draft_vocab(
+        arrays, args.draft_vocab, V, always=always_ids(meta), rows=train_rows))
     config = draft_config(tcfg, len(args.init_layers))
     frozen = {"embed": tparams["embed"], "head": jnp.take(tparams["embed"], jnp.asarray(d2t), axis=0).T}
     train_t = build_targets(arrays, d2t, V, train_rows)
     eval_t = build_targets(arrays, d2t, V, eval_rows) if eval_rows.size else None
+    params = init_from_target(tparams, tuple(args.init_layers))
+    del tparams, target
 
     optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
-    params = init_from_target(tparams, tuple(args.init_layers))
-    opt_state = optimizer.init(params)
-    del tparams, target
-    mngr = _checkpoint_manager(args.out, args.checkpoint_every)
-    start = 0
-    if mngr.latest_step() is not None:
-        start = mngr.latest_step()
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt": opt_state})
-        restored = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
-        params, opt_state = restored["params"], restored["opt"]
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    history = _read_metrics(metrics_path, start)
-
-    def log(rec):
-        history.append(rec)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
-    if start == 0 and eval_t is not None and not any(r.get("kind") == "eval" for r in history):
-        ev = evaluate(params, frozen, config, eval_t, args.eval_batch, args.hard_weight)
-        log({"kind": "eval", "step": 0, **ev})
-    N = train_t["tokens"].shape[0]
     per_epoch = len(make_batches(train_t["length"], args.batch, args.bucket, args.seed, 0))
-    bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", disable=not args.progress)
-    recent: list[tuple[float, float]] = []
-    t0 = time.perf_counter()
-    for step in range(start, args.steps):
-        # Batch order is a pure function of (seed, step), so a resumed run sees the same batches.
+
+    def batch_at(step):
         epoch, k = divmod(step, per_epoch)
         idx, size = make_batches(train_t["length"], args.batch, args.bucket, args.seed, epoch)[k]
-        batch = device_batch(train_t, idx, size)
-        params, opt_state, m = train_step(params, opt_state, frozen, batch, config=config, optimizer=optimizer,
-                                          hard_weight=args.hard_weight)
-        loss, agree = float(m["loss"]), float(m["agree"])
-        if not math.isfinite(loss):
-            raise DraftError(f"loss became {loss} at step {step + 1}; lower --lr (now {args.lr})")
-        done = step + 1
-        log({"kind": "train", "step": done, "loss": loss, "agree": agree, "lr": float(schedule(step)),
-             "seconds": round(time.perf_counter() - t0, 2)})
-        bar.update(1)
-        recent.append((loss, agree))
-        del recent[:-20]  # the bar shows the mean of the last 20 steps
-        bar.set_postfix(loss=f"{np.mean([r[0] for r in recent]):.3f}", agree=f"{np.mean([r[1] for r in recent]):.3f}")
-        if eval_t is not None and (done % args.eval_every == 0 or done == args.steps):
-            ev = evaluate(params, frozen, config, eval_t, args.eval_batch, args.hard_weight)
-            log({"kind": "eval", "step": done, **ev})
-            bar.write(f"step {done}: held-out loss {ev['loss']:.3f} agree {ev['agree']:.3f} "
-                      f"alpha {[a if a is None else round(a, 3) for a in ev['alpha'][:5]]}")
-        mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt": opt_state}),
-                  force=done == args.steps)
-    bar.close()
-    mngr.wait_until_finished()
+        return device_batch(train_t, idx, size)
 
-    final_eval = next((r for r in reversed(history) if r.get("kind") == "eval"), None)
-    train_recs = [r for r in history if r.get("kind") == "train"]
+    def run_eval(p, step, final):
+        return None if eval_t is None else evaluate(p, frozen, config, eval_t, args.eval_batch, args.hard_weight)
+
+    res = fit(functools.partial(update, config=config, optimizer=optimizer, hard_weight=args.hard_weight), params,
+              optimizer, schedule, frozen, batch_at, out=args.out, steps=args.steps,
+              checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+              record=lambda m: {"loss": float(m["loss"]), "agree": float(m["agree"])}, evaluate=run_eval,
+              describe=lambda ev: f"held-out loss {ev['loss']:.3f} agree {ev['agree']:.3f} "
+                                  f"alpha {[a if a is None else round(a, 3) for a in ev['alpha'][:5]]}",
+              show=("loss", "agree"), progress=args.progress, desc="train", lr=args.lr, error=DraftError)
+
+    final_eval = last_eval(res.history)
     summary = {
-        "steps": args.steps, "train_sequences": int(N), "heldout_sequences": int(eval_rows.size),
-        "train_positions": int(train_t["mask"].sum()), "draft_vocab": int(d2t.size),
-        "final_train_loss": float(np.mean([r["loss"] for r in train_recs[-50:]])) if train_recs else None,
-        "final_train_agree": float(np.mean([r["agree"] for r in train_recs[-50:]])) if train_recs else None,
-        "train_seconds_this_run": round(time.perf_counter() - t0, 1), "heldout": final_eval,
-        "data_meta": meta,
+        "steps": args.steps, "train_sequences": int(train_t["tokens"].shape[0]),
+        "heldout_sequences": int(eval_rows.size), "train_positions": int(train_t["mask"].sum()),
+        "draft_vocab": int(d2t.size), "final_train_loss": train_mean(res.history, "loss"),
+        "final_train_agree": train_mean(res.history, "agree"), "train_seconds_this_run": round(res.seconds, 1),
+        "heldout": final_eval, "data_meta": meta,
     }
     export = args.export or os.path.join(args.out, "draft")
-    save_draft(export, config, params, d2t,
+    save_draft(export, config, res.params, d2t,
                {"target": args.target, "steps": args.steps, "init_layers": list(args.init_layers),
                 "heldout_top1_agreement": final_eval["agree"] if final_eval else None})
-    plot_curve(history, os.path.join(export, "training_curve.png"))
+    plot_curve(res.history, os.path.join(export, "training_curve.png"))
     if eval_t is not None:
         # What ships is bf16: measure the exported weights themselves, as the drafter will load them.
         _, shipped, _ = load_draft(export, {"embed": frozen["embed"]})
@@ -532,28 +276,17 @@ def plot_curve(history: list[dict], path: str) -> None:
     plt = pyplot_or_none(path)
     if plt is None:
         return
-
-    tr = [r for r in history if r.get("kind") == "train"]
-    ev = [r for r in history if r.get("kind") == "eval"]
+    tr, ev = split_history(history)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     if tr:
-        steps = np.asarray([r["step"] for r in tr])
-        w = max(1, len(tr) // 50)
-        smooth = lambda x: np.convolve(x, np.ones(w) / w, mode="valid")
-        a1.plot(steps[w - 1:], smooth(np.asarray([r["loss"] for r in tr])), label="train (smoothed)")
-        a2.plot(steps[w - 1:], smooth(np.asarray([r["agree"] for r in tr])), label="train (smoothed)")
+        a1.plot(*smoothed(tr, [r["loss"] for r in tr], 50), label="train (smoothed)")
+        a2.plot(*smoothed(tr, [r["agree"] for r in tr], 50), label="train (smoothed)")
     if ev:
         a1.plot([r["step"] for r in ev], [r["loss"] for r in ev], "o-", label="held-out")
         a2.plot([r["step"] for r in ev], [r["agree"] for r in ev], "o-", label="held-out")
     a1.set(xlabel="step", ylabel="distillation loss (log scale)", title="loss", yscale="log")
     a2.set(xlabel="step", ylabel="top-1 agreement with target", title="top-1 agreement")
-    for a in (a1, a2):
-        a.grid(alpha=0.3)
-        a.legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(plt, fig, (a1, a2), path, dpi=100)
 
 
 def _layers_arg(text: str) -> tuple[int, ...]:
@@ -582,11 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--init-layers", type=_layers_arg, default=(0, -1),
                     help="target layers copied into the draft (their count is the draft depth)")
     ap.add_argument("--draft-vocab", type=int, default=12288)
-    ap.add_argument("--checkpoint-every", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=200)
-    ap.add_argument("--eval-batch", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    add_loop_options(ap, checkpoint_every=100, eval_every=200, eval_batch=8)
     return ap
 
 
@@ -599,9 +328,7 @@ def parse_args(argv=None):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    summary = train(parse_args(argv))
-    print(json.dumps({k: v for k, v in summary.items() if k != "data_meta"}, indent=1))
-    return summary
+    return report(train(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Data: the `.npz` of `specjax.train.data` (the target's own answers to the project's prompts, with its top-k
 log-probabilities at every response step). The target's features for every position come from ONE prefill-style
-forward per batch of sequences (`specjax.models.llama.forward` with `hidden_layers`), computed once and kept in a
-cache file (float16) that both head kinds share: the final hidden state (EAGLE-1/2) and three layer outputs
+forward per batch of sequences (`specjax.train.features`), computed once and kept in a cache file (float16) that
+both head kinds share: the final hidden state (EAGLE-1/2) and three layer outputs
 (EAGLE-3).
 
 Loss, at every unroll step j (the head run on its own outputs, see `specjax.heads.eagle.unrolled_hidden`; step
@@ -17,16 +17,16 @@ Metrics: per unroll step top-1 agreement with the target's greedy token; on the 
 acceptance alpha_j = P(step j right | steps < j right), which on greedy text is exactly what a top-1 chain
 would get accepted (full vocabulary for EAGLE-1/2).
 
-Run: `python -m specjax.train.eagle --kind eagle|eagle3 --data FILE --out DIR` (see --help). Orbax checkpoints
-every N steps; rerunning the same command resumes. The head is exported (bf16, in the EAGLE or EAGLE-3 release
-format, see `specjax.heads.eagle_io`) to OUT/head with training curves as PNG.
+Run: `python -m specjax.train.eagle --kind eagle|eagle3 --data FILE --out DIR` (see --help). The loop is
+`specjax.train.loop.fit`: orbax checkpoints every N steps; rerunning the same command resumes. The head is
+exported (bf16, in the EAGLE or EAGLE-3 release format, see `specjax.heads.eagle_io`) to OUT/head with training
+curves as PNG.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import json
-import math
 import os
 import time
 
@@ -36,83 +36,17 @@ import numpy as np
 
 from specjax.heads.eagle import HeadConfig, default_eagle3_layers, head_config, head_logits, init_from_target, \
     unrolled_hidden
-from specjax.kv_cache import init_cache
-from specjax.models.llama import LlamaConfig, forward
-from specjax.train.common import checkpoint_manager as _checkpoint_manager, make_optimizer, pyplot_or_none, read_metrics as _read_metrics
-from specjax.errors import SpecjaxError
+from specjax.train.common import TrainError, always_ids, cached_array, check_run, select_vocab
+from specjax.train.features import load_or_compute_features
+from specjax.train.loop import add_loop_options, apply_gradients, fit, last_eval, make_optimizer, pyplot_or_none, \
+    report, save_figure, smoothed, split_history, train_mean
 
 
-class HeadTrainError(SpecjaxError, ValueError):
+class HeadTrainError(TrainError):
     """A head training run cannot start or continue as asked; the message says how to fix it."""
 
 
-# ============================================================================================ features
-@functools.partial(jax.jit, static_argnames=("config", "layers"))
-def _features_batch(params, config: LlamaConfig, tokens, layers: tuple):
-    """tokens [B, T] -> (final hidden [B, T, H], layer outputs [B, T, len(layers) * H]), one causal forward."""
-    B, T = tokens.shape
-    cache = init_cache(config.num_layers, B, T, config.num_kv_heads, config.head_dim, params["embed"].dtype)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
-    out = forward(params, config, tokens, pos, cache, hidden_layers=layers, compute_logits=False)
-    lay = jnp.concatenate(list(out.layer_hidden), axis=-1)
-    return out.hidden.astype(jnp.float16), lay.astype(jnp.float16)
-
-
-def compute_features(params: dict, config: LlamaConfig, tokens: np.ndarray, length: np.ndarray, layers: tuple,
-                     batch: int = 8, bucket: int = 64, progress: bool = True) -> dict[str, np.ndarray]:
-    """Target features of every sequence: {"final" [N, L, H], "layers" [N, L, 3H]} float16 (zero past length).
-
-    Sequences are grouped by length rounded up to `bucket`, so each group is one compiled shape."""
-    N, L = tokens.shape
-    H = config.hidden_size
-    final = np.zeros((N, L, H), np.float16)
-    lay = np.zeros((N, L, len(layers) * H), np.float16)
-    padded = np.minimum(-(-length // bucket) * bucket, L)
-    groups = [(size, np.flatnonzero(padded == size)) for size in np.unique(padded)]
-    todo = [(size, rows[s:s + batch]) for size, rows in groups for s in range(0, rows.size, batch)]
-    bar = _tqdm(todo, progress, desc="features", unit="batch")
-    for size, rows in bar:
-        idx = np.resize(rows, batch)  # fixed batch shape; repeated rows are dropped below
-        f, h = jax.device_get(_features_batch(params, config, jnp.asarray(tokens[idx, :size]), layers))
-        if not (np.isfinite(f).all() and np.isfinite(h).all()):
-            raise HeadTrainError("target features overflow float16; this target's activations are too large for "
-                                 "the feature cache")
-        final[rows, :size] = f[:rows.size]
-        lay[rows, :size] = h[:rows.size]
-    for n in range(N):  # positions past the end hold padding features: zero them for a clean cache
-        final[n, length[n]:] = 0
-        lay[n, length[n]:] = 0
-    return {"final": final, "layers": lay}
-
-
-def load_or_compute_features(path: str, data_path: str, target_spec: str, params: dict, config: LlamaConfig,
-                             arrays: dict, layers: tuple, progress: bool, max_len: int = 0) -> dict[str, np.ndarray]:
-    """The feature cache at `path` if it was made from the same data, target, layers and truncation; else
-    compute and save it."""
-    key = feature_cache_key(data_path, target_spec, layers, max_len)
-    if os.path.isfile(path):
-        with np.load(path, allow_pickle=False) as f:
-            if str(f["key"]) == key:
-                return {"final": f["final"], "layers": f["layers"]}
-    feats = compute_features(params, config, arrays["tokens"], arrays["length"], layers, progress=progress)
-    save_feature_cache(path, key, feats)
-    return feats
-
-
-def feature_cache_key(data_path: str, target_spec: str, layers: tuple, max_len: int = 0) -> str:
-    """What a feature cache was made from: the data file (path and size), the target, the layers, the cut."""
-    return json.dumps({"data": os.path.abspath(data_path), "data_bytes": os.path.getsize(data_path),
-                       "target": target_spec, "layers": list(layers), "max_len": max_len}, sort_keys=True)
-
-
-def save_feature_cache(path: str, key: str, feats: dict[str, np.ndarray]) -> None:
-    """Write {"final" [N, L, H], "layers" [N, L, 3H]} float16 under `key` (atomically: a crash leaves no half file)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, key=np.asarray(key), final=feats["final"], layers=feats["layers"])
-    os.replace(tmp, path)
-
-
+# ============================================================================================ data
 def truncate(arrays: dict, max_len: int) -> dict:
     """Sequences cut to their first `max_len` tokens (the response steps past the cut are dropped)."""
     out = dict(arrays)
@@ -209,17 +143,16 @@ def total_loss(train, frozen, cfg, batch, unroll, ce_weight, reg_weight, step_de
     return jnp.sum(w * per_step) / jnp.sum(w), s
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "optimizer", "unroll", "ce_weight", "reg_weight", "step_decay"),
-                   donate_argnums=(0, 1))
-def train_step(train, opt_state, frozen, batch, *, cfg: HeadConfig, optimizer, unroll: int, ce_weight: float,
-               reg_weight: float, step_decay: float):
-    """One AdamW step; train params and optimizer state are donated."""
-    import optax
+def update(train, opt_state, frozen, batch, *, cfg: HeadConfig, optimizer, unroll: int, ce_weight: float,
+           reg_weight: float, step_decay: float):
+    """One AdamW step (pure): (train params, optimizer state, per-unroll-step sums of `step_losses`)."""
+    return apply_gradients(total_loss, optimizer, train, opt_state, frozen, cfg, batch, unroll, ce_weight, reg_weight,
+                           step_decay)
 
-    grads, stats = jax.grad(total_loss, has_aux=True)(train, frozen, cfg, batch, unroll, ce_weight, reg_weight,
-                                                      step_decay)
-    updates, opt_state = optimizer.update(grads, opt_state, train)
-    return optax.apply_updates(train, updates), opt_state, stats
+
+# The same step jitted on its own (params and optimizer state donated), for callers outside `fit`.
+train_step = jax.jit(update, static_argnames=("cfg", "optimizer", "unroll", "ce_weight", "reg_weight", "step_decay"),
+                     donate_argnums=(0, 1))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "unroll"))
@@ -311,28 +244,14 @@ _RUN_KEYS = ("kind", "data", "target", "steps", "batch", "bucket", "lr", "warmup
 
 def train(args) -> dict:
     """The training run described by the parsed arguments (see `parse_args`). Returns the final summary."""
-    import orbax.checkpoint as ocp
-    from tqdm import tqdm
-
     from specjax.heads.eagle_io import save_head
     from specjax.models.loading import load_model
     from specjax.train.data import load_dataset
-    from specjax.train.draft_model import select_draft_vocab
 
-    os.makedirs(args.out, exist_ok=True)
     run = {k: getattr(args, k) for k in _RUN_KEYS}
     run["data"] = os.path.abspath(run["data"])
     run["feature_layers"] = list(run["feature_layers"] or ())
-    run_path = os.path.join(args.out, "run.json")
-    if os.path.exists(run_path):
-        with open(run_path) as f:
-            old = json.load(f)
-        diff = {k: (old.get(k), run[k]) for k in _RUN_KEYS if old.get(k) != run[k]}
-        if diff:
-            raise HeadTrainError(f"{args.out} holds a run with other settings {diff} (old, new); resume with the "
-                                 "same arguments or pick a new --out")
-    with open(run_path, "w") as f:
-        json.dump(run, f, indent=2)
+    check_run(args.out, run, HeadTrainError)
 
     t_start = time.perf_counter()
     arrays, meta = load_dataset(args.data)
@@ -346,14 +265,9 @@ def train(args) -> dict:
     eval_rows = np.flatnonzero(arrays["heldout"] & (arrays["temperature"] == 0))
     if train_rows.size == 0:
         raise HeadTrainError(f"{args.data}: no training sequences (every row is held out)")
-    always = sorted({0, 1, 2, *meta.get("stop_token_ids", [])})
-    vocab_path = os.path.join(args.out, "vocab.npy")
-    if os.path.exists(vocab_path):
-        vocab = np.load(vocab_path, allow_pickle=False)
-    else:
-        size = args.draft_vocab if args.kind == "eagle3" else (args.loss_vocab or V)
-        vocab = select_draft_vocab(arrays, min(size, V), V, always=always, rows=train_rows)
-        np.save(vocab_path, vocab)
+    size = args.draft_vocab if args.kind == "eagle3" else (args.loss_vocab or V)
+    vocab = cached_array(os.path.join(args.out, "vocab.npy"), lambda: select_vocab(
+        arrays, min(size, V), V, always=always_ids(meta), rows=train_rows))
     cache_path = args.features_cache or os.path.join(args.out, "features.npz")
     feats = load_or_compute_features(cache_path, args.data, args.target, tparams, tcfg, arrays, layers, args.progress,
                                      args.max_len)
@@ -363,9 +277,8 @@ def train(args) -> dict:
 
     cfg = head_config(tcfg, args.kind, draft_vocab_size=vocab.size if args.kind == "eagle3" else 0,
                       feature_layers=layers if args.kind == "eagle3" else None)
-    init = init_from_target(cfg, tparams, args.init_layer, draft_ids=vocab if args.kind == "eagle3" else None)
-    draft_ids = init.pop("draft_ids", None)
-    params = init
+    params = init_from_target(cfg, tparams, args.init_layer, draft_ids=vocab if args.kind == "eagle3" else None)
+    draft_ids = params.pop("draft_ids", None)
     embed = tparams["embed"]
     full_head = tparams["lm_head"] if "lm_head" in tparams else embed.T
     if args.kind == "eagle":
@@ -380,91 +293,54 @@ def train(args) -> dict:
     del target
 
     optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
-    opt_state = optimizer.init(params)
-    mngr = _checkpoint_manager(args.out, args.checkpoint_every)
-    start = 0
-    if mngr.latest_step() is not None:
-        start = mngr.latest_step()
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt": opt_state})
-        restored = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
-        params, opt_state = restored["params"], restored["opt"]
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    history = _read_metrics(metrics_path, start)
+    L = arrays["tokens"].shape[1]
+    lengths = arrays["length"][train_rows]
+    per_epoch = len(make_batches(lengths, args.batch, args.bucket, args.seed, 0, L))
 
-    def log(rec):
-        history.append(rec)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+    def batch_at(step):
+        epoch, k = divmod(step, per_epoch)
+        idx, size = make_batches(lengths, args.batch, args.bucket, args.seed, epoch, L)[k]
+        return host_batch(arrays, feats, targets, train_rows[idx], size, args.kind)
 
-    def run_eval(step, final=False):
+    def record(s):
+        cnt = np.maximum(s["count"], 1)
+        return {"loss": float(np.sum(s["loss"]) / np.sum(cnt)), "ce": (s["ce"] / cnt).tolist(),
+                "reg": (s["reg"] / cnt).tolist(), "top1": (s["top1"] / cnt).tolist()}
+
+    def run_eval(p, step, final):
         # EAGLE-1/2: intermediate evaluations read the loss vocabulary's LM head columns (cheap), the final one
         # the full LM head, as at inference.
         if eval_rows.size == 0:
             return None
         fz, tg = (frozen_eval, targets_eval) if final else (frozen, targets)
-        ev = evaluate(params, fz, cfg, arrays, feats, tg, eval_rows, args.eval_unroll, args.eval_batch, args.bucket)
-        log({"kind": "eval", "step": step, "vocab": "full" if final or fz is frozen_eval else "loss", **ev})
-        return ev
+        ev = evaluate(p, fz, cfg, arrays, feats, tg, eval_rows, args.eval_unroll, args.eval_batch, args.bucket)
+        return {"vocab": "full" if final or fz is frozen_eval else "loss", **ev}
 
-    if start == 0 and not any(r.get("kind") == "eval" for r in history):
-        run_eval(0)
-    L = arrays["tokens"].shape[1]
-    per_epoch = len(make_batches(arrays["length"][train_rows], args.batch, args.bucket, args.seed, 0, L))
-    bar = tqdm(total=args.steps, initial=start, desc=f"train {args.kind}", unit="step", disable=not args.progress)
-    ema = None
-    t0 = time.perf_counter()
-    kw = dict(cfg=cfg, optimizer=optimizer, unroll=args.unroll, ce_weight=args.ce_weight, reg_weight=args.reg_weight,
-              step_decay=args.step_decay)
-    for step in range(start, args.steps):
-        epoch, k = divmod(step, per_epoch)
-        idx, size = make_batches(arrays["length"][train_rows], args.batch, args.bucket, args.seed, epoch, L)[k]
-        batch = host_batch(arrays, feats, targets, train_rows[idx], size, args.kind)
-        params, opt_state, s = train_step(params, opt_state, frozen, batch, **kw)
-        s = jax.device_get(s)
-        cnt = np.maximum(s["count"], 1)
-        loss = float(np.sum(s["loss"]) / np.sum(cnt))
-        if not math.isfinite(loss):
-            raise HeadTrainError(f"loss became {loss} at step {step + 1}; lower --lr (now {args.lr})")
-        top1 = (s["top1"] / cnt).tolist()
-        rec = {"kind": "train", "step": step + 1, "loss": loss, "ce": (s["ce"] / cnt).tolist(),
-               "reg": (s["reg"] / cnt).tolist(), "top1": top1, "lr": float(schedule(step)),
-               "seconds": round(time.perf_counter() - t0, 2)}
-        log(rec)
-        ema = (loss, top1) if ema is None else (0.95 * ema[0] + 0.05 * loss,
-                                               [0.95 * a + 0.05 * b for a, b in zip(ema[1], top1)])
-        bar.update(1)
-        bar.set_postfix(loss=f"{ema[0]:.3f}", top1="/".join(f"{a:.2f}" for a in ema[1]))
-        done = step + 1
-        if done % args.eval_every == 0 or done == args.steps:
-            ev = run_eval(done, final=done == args.steps)
-            if ev is not None:
-                bar.write(f"step {done}: held-out top1 {[round(a, 3) for a in ev['top1']]} "
-                          f"alpha {[round(a, 3) for a in ev['alpha']]} tau(chain) {ev['tau_chain']:.2f}")
-        mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt": opt_state}), force=done == args.steps)
-    bar.close()
-    mngr.wait_until_finished()
+    step = functools.partial(update, cfg=cfg, optimizer=optimizer, unroll=args.unroll, ce_weight=args.ce_weight,
+                             reg_weight=args.reg_weight, step_decay=args.step_decay)
+    res = fit(step, params, optimizer, schedule, frozen, batch_at, out=args.out, steps=args.steps,
+              checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, record=record, evaluate=run_eval,
+              describe=lambda ev: f"held-out top1 {[round(a, 3) for a in ev['top1']]} "
+                                  f"alpha {[round(a, 3) for a in ev['alpha']]} tau(chain) {ev['tau_chain']:.2f}",
+              show=("loss", "top1"), progress=args.progress, desc=f"train {args.kind}", lr=args.lr,
+              error=HeadTrainError)
 
-    if start == args.steps and not any(r.get("kind") == "eval" and r["step"] == args.steps for r in history):
-        run_eval(args.steps, final=True)
-    final_eval = next((r for r in reversed(history) if r.get("kind") == "eval"), None)
-    trains = [r for r in history if r.get("kind") == "train"]
-    last = trains[-50:]
+    final_eval = last_eval(res.history)
+    trains = split_history(res.history)[0]
     summary = {
         "kind": args.kind, "steps": args.steps, "train_sequences": int(train_rows.size),
         "heldout_sequences": int(eval_rows.size), "vocab": int(vocab.size), "feature_layers": list(layers),
-        "final_train_loss": float(np.mean([r["loss"] for r in last])) if last else None,
-        "final_train_top1": np.mean([r["top1"] for r in last], axis=0).tolist() if last else None,
+        "final_train_loss": train_mean(res.history, "loss"), "final_train_top1": train_mean(res.history, "top1"),
         "train_seconds": round(trains[-1]["seconds"], 1) if trains else 0.0,
         "feature_seconds_this_run": round(t_feats, 1), "heldout": final_eval,
     }
     export = args.export or os.path.join(args.out, "head")
-    if draft_ids is not None:
-        params = dict(params, draft_ids=draft_ids)
+    params = res.params if draft_ids is None else dict(res.params, draft_ids=draft_ids)
     meta_out = {"target": args.target, "steps": args.steps, "unroll": args.unroll,
                 "heldout_top1": final_eval["top1"] if final_eval else None,
                 "heldout_alpha": final_eval["alpha"] if final_eval else None}
     save_head(export, cfg, jax.device_get(params), meta=meta_out)
-    plot_curves(history, os.path.join(export, "training_curve.png"), args.kind)
+    plot_curves(res.history, os.path.join(export, "training_curve.png"), args.kind)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
@@ -475,46 +351,25 @@ def plot_curves(history: list[dict], path: str, kind: str) -> None:
     plt = pyplot_or_none(path)
     if plt is None:
         return
-
-    tr = [r for r in history if r.get("kind") == "train"]
-    ev = [r for r in history if r.get("kind") == "eval"]
+    tr, ev = split_history(history)
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4.2))
-    smooth = lambda x, w: np.convolve(x, np.ones(w) / w, mode="valid")
     if tr:
-        steps = np.asarray([r["step"] for r in tr])
-        w = max(1, len(tr) // 40)
-        a1.plot(steps[w - 1:], smooth(np.asarray([r["loss"] for r in tr]), w), label="train loss (smoothed)")
-        ce = np.asarray([r["ce"] for r in tr])
+        a1.plot(*smoothed(tr, [r["loss"] for r in tr], 40), label="train loss (smoothed)")
+        ce, t1 = np.asarray([r["ce"] for r in tr]), np.asarray([r["top1"] for r in tr])
         for j in range(ce.shape[1]):
-            a1.plot(steps[w - 1:], smooth(ce[:, j], w), lw=0.8, label=f"train CE step {j}")
-        t1 = np.asarray([r["top1"] for r in tr])
+            a1.plot(*smoothed(tr, ce[:, j], 40), lw=0.8, label=f"train CE step {j}")
         for j in range(t1.shape[1]):
-            a2.plot(steps[w - 1:], smooth(t1[:, j], w), label=f"step {j}")
+            a2.plot(*smoothed(tr, t1[:, j], 40), label=f"step {j}")
     if ev:
         es = [r["step"] for r in ev]
-        t1 = np.asarray([r["top1"] for r in ev])
-        al = np.asarray([r["alpha"] for r in ev])
+        t1, al = np.asarray([r["top1"] for r in ev]), np.asarray([r["alpha"] for r in ev])
         for j in range(t1.shape[1]):
             a3.plot(es, t1[:, j], "o-", label=f"top-1 step {j}")
             a3.plot(es, al[:, j], "x--", lw=0.8, label=f"alpha step {j}")
     a1.set(xlabel="step", ylabel="loss", title=f"{kind}: training loss")
     a2.set(xlabel="step", ylabel="top-1 agreement", title="train top-1 per unroll step")
     a3.set(xlabel="step", ylabel="rate", title="held-out top-1 and chain acceptance per step")
-    for a in (a1, a2, a3):
-        a.grid(alpha=0.3)
-        a.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-def _tqdm(it, enabled: bool, **kw):
-    if not enabled:
-        return it
-    from tqdm import tqdm
-
-    return tqdm(it, **kw)
+    save_figure(plt, fig, (a1, a2, a3), path, fontsize=7)
 
 
 def _layers_arg(text: str) -> tuple[int, ...]:
@@ -562,11 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ce-weight", type=float, default=None, help="cross-entropy weight (default 0.1 eagle, 1 eagle3)")
     ap.add_argument("--reg-weight", type=float, default=1.0, help="eagle: feature regression weight")
     ap.add_argument("--step-decay", type=float, default=0.8, help="weight of unroll step j is step_decay**j")
-    ap.add_argument("--checkpoint-every", type=int, default=50)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-batch", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    add_loop_options(ap, checkpoint_every=50, eval_every=100, eval_batch=8)
     return ap
 
 
@@ -584,9 +435,7 @@ def parse_args(argv=None):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    summary = train(parse_args(argv))
-    print(json.dumps(summary, indent=1))
-    return summary
+    return report(train(parse_args(argv)), hide=())
 
 
 if __name__ == "__main__":

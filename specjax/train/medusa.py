@@ -4,7 +4,7 @@ Data: `.npz` files from `python -m specjax.train.data` (the target's answers to 
 its top-k log-probabilities at every response step; never benchmark text). Held-out rows (`heldout`) are only
 evaluated.
 
-1. Features. One prefill-style target forward per batch of sequences (`models.llama.forward`, no logits) gives
+1. Features. One prefill-style target forward per batch of sequences (`specjax.train.features`) gives
    the final hidden state at every position; the response rows are cached in OUT/features.npy (float16), a
    memory map filled batch by batch, so an interrupted extraction continues where it stopped.
 2. Targets. Feature row i of a sequence is the position that predicts response token i (the target's own LM
@@ -13,19 +13,19 @@ evaluated.
 3. Heads (`specjax.heads.medusa`): K heads of residual blocks on the target's tied LM head, restricted to the
    Vd most frequent target tokens of the training data (`--draft-vocab`, 0 = full vocabulary). Only the blocks
    train. Loss per head: hard_weight * CE(hard) + (1 - hard_weight) * CE(soft); their mean over the heads.
-4. AdamW with warmup + cosine decay, orbax checkpoints every `--checkpoint-every` steps (rerunning the same
-   command resumes), a tqdm bar with the loss and each head's top-1 accuracy, metrics.jsonl, and at the end a
-   held-out evaluation (top-k rank accuracy per head, which `drafters.medusa.choices_from_accuracy` turns into
+4. The loop of `specjax.train.loop.fit`: AdamW with warmup + cosine decay, orbax checkpoints every
+   `--checkpoint-every` steps (rerunning the same command resumes), a tqdm bar with the loss and each head's
+   top-1 accuracy, metrics.jsonl, and at the end a held-out evaluation (top-k rank accuracy per head, which `drafters.medusa.choices_from_accuracy` turns into
    the default tree), the exported heads (specjax layout, bf16) and a PNG of the training curves.
 
 Run: python -m specjax.train.medusa --data DATA.npz --out DIR [--steps N ...]   (see --help)
 """
 from __future__ import annotations
+from __future__ import annotations
 
 import argparse
 import functools
 import json
-import math
 import os
 import time
 
@@ -34,28 +34,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.heads.medusa import MedusaConfig, head_hidden, head_logits, init_heads, target_lm_rows
-from specjax.kv_cache import init_cache
-from specjax.models.llama import LlamaConfig, forward
-from specjax.train.common import checkpoint_manager, make_optimizer, pyplot_or_none, read_metrics as _read_metrics
-from specjax.errors import SpecjaxError
+from specjax.models.llama import LlamaConfig
+from specjax.train.common import TrainError, always_ids, cached_array, check_run, progress_bar, select_vocab
+from specjax.train.features import feature_cache_key, final_hidden, response_rows
+from specjax.train.loop import add_loop_options, apply_gradients, fit, last_eval, make_optimizer, pyplot_or_none, \
+    report, save_figure, smoothed, split_history, train_mean
 
 EVAL_RANKS = 10  # ranks per head measured on held-out data (the default tree uses ranks below this)
 
 
-class MedusaTrainError(SpecjaxError, ValueError):
+class MedusaTrainError(TrainError):
     """Medusa training cannot run as asked; the message says how to fix it."""
 
 
 # ============================================================================================ features
-
-
-@functools.partial(jax.jit, static_argnames=("config",))
-def final_hidden(params: dict, config: LlamaConfig, tokens: jax.Array) -> jax.Array:
-    """The target's final hidden state (after the last norm) at every position: tokens [B, T] -> [B, T, H]."""
-    B, T = tokens.shape
-    cache = init_cache(config.num_layers, B, T, config.num_kv_heads, config.head_dim, params["embed"].dtype)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    return forward(params, config, tokens, positions, cache, compute_logits=False).hidden
 
 
 def extract_features(params: dict, config: LlamaConfig, arrays: dict, out_dir: str, *, batch: int = 8,
@@ -87,8 +79,7 @@ def extract_features(params: dict, config: LlamaConfig, arrays: dict, out_dir: s
             groups[-1][1].append(n)
         else:
             groups.append((size, [n]))
-    bar = _tqdm(groups, progress, desc="features", unit="batch")
-    for size, rows in bar:
+    for size, rows in progress_bar(groups, progress, desc="features", unit="batch"):
         idx = rows + [rows[-1]] * (batch - len(rows))  # one batch shape per length bucket
         h = np.asarray(final_hidden(params, config, jnp.asarray(tokens[idx, :size])))
         for r, n in enumerate(rows):
@@ -104,8 +95,6 @@ def features_from_cache(path: str, data_path: str, target_spec: str, arrays: dic
     """The same [N, R, H] float16 response rows as `extract_features`, read from the heads' feature cache
     (`specjax.train.eagle --features-cache`, or `specjax.train.data --features-out`, which records the features
     while generating) instead of a feature pass of its own. The cache must come from this data file and target."""
-    from specjax.train.eagle import feature_cache_key
-
     if not os.path.isfile(path):
         raise MedusaTrainError(f"--features-cache {path!r} does not exist; make it with `python -m specjax.train.data "
                                "--features-out` or `python -m specjax.train.eagle --features-only`, or leave it out")
@@ -116,35 +105,11 @@ def features_from_cache(path: str, data_path: str, target_spec: str, arrays: dic
             diff = {k: (key.get(k), want[k]) for k in want if key.get(k) != want[k]}
             raise MedusaTrainError(f"--features-cache {path} was made from other data or another target {diff} "
                                    "(cache, this run); regenerate it or leave the option out")
-        final = f["final"]
-    plen, length = arrays["prompt_len"], arrays["length"]
-    N, R = arrays["topk_ids"].shape[:2]
-    feats = np.zeros((N, R, final.shape[-1]), np.float16)
-    for n in range(N):
-        k = int(length[n] - plen[n])
-        feats[n, :k] = final[n, plen[n] - 1:plen[n] - 1 + k]  # row i = the position predicting response token i
-    return feats
+        return response_rows(f["final"], arrays)
+
 
 
 # ============================================================================================ targets
-
-
-def select_token_map(arrays: dict, rows: np.ndarray, size: int, vocab_size: int, always=()) -> np.ndarray:
-    """The `size` target ids the heads predict (ascending): ranked by how often they are response tokens or in
-    the target's top-k (weighted by probability) in the training rows; `always` (stop ids) are kept."""
-    if not len(always) <= size <= vocab_size:
-        raise MedusaTrainError(f"--draft-vocab {size} must lie in [{len(always)}, {vocab_size}] (0 = full vocabulary)")
-    score = np.zeros(vocab_size, np.float64)
-    R = arrays["topk_ids"].shape[1]
-    for n in rows:
-        p, k = int(arrays["prompt_len"][n]), int(arrays["length"][n] - arrays["prompt_len"][n])
-        np.add.at(score, arrays["tokens"][n, p:p + k], 1.0)
-        steps = np.arange(R) < k
-        np.add.at(score, arrays["topk_ids"][n][steps].ravel(),
-                  np.exp(arrays["topk_logp"][n][steps].astype(np.float64)).ravel())
-    score[list(always)] = np.inf
-    order = np.lexsort((np.arange(vocab_size), -score))  # score descending, then id ascending
-    return np.sort(order[:size]).astype(np.int32)
 
 
 def build_targets(arrays: dict, rows: np.ndarray, num_heads: int, t2d: np.ndarray) -> dict[str, np.ndarray]:
@@ -211,14 +176,15 @@ def loss_fn(blocks, lm, x, batch, hard_weight):
                                 "top1": jnp.sum(hit, axis=0) / count}
 
 
-@functools.partial(jax.jit, static_argnames=("optimizer", "hard_weight"), donate_argnums=(0, 1))
-def train_step(blocks, opt_state, lm, x, batch, *, optimizer, hard_weight: float):
-    """One AdamW step on the head blocks (donated with the optimizer state); the LM head stays frozen."""
-    import optax
+def update(blocks, opt_state, lm, x, batch, *, optimizer, hard_weight: float):
+    """One AdamW step (pure) on the head blocks; the LM head lm [Vd, H] stays frozen. x [B, H] features."""
+    return apply_gradients(loss_fn, optimizer, blocks, opt_state, lm, x, batch, hard_weight)
 
-    grads, metrics = jax.grad(loss_fn, has_aux=True)(blocks, lm, x, batch, hard_weight)
-    updates, opt_state = optimizer.update(grads, opt_state, blocks)
-    return optax.apply_updates(blocks, updates), opt_state, metrics
+
+# The same step jitted on its own (blocks and optimizer state donated), for callers outside `fit`.
+train_step = jax.jit(update, static_argnames=("optimizer", "hard_weight"), donate_argnums=(0, 1))
+
+
 
 
 @functools.partial(jax.jit, static_argnames=("ranks", "hard_weight"))
@@ -263,36 +229,22 @@ def _device_batch(feats, targets: dict, idx: np.ndarray):
     return jnp.asarray(x), {k: jnp.asarray(targets[k][idx]) for k in ("hard", "soft_idx", "soft_p")}
 
 
-# ============================================================================================ loop
-
-
+# ============================================================================================ run
 _RUN_KEYS = ("data", "target", "heads", "layers", "draft_vocab", "batch", "steps", "lr", "warmup", "weight_decay",
              "hard_weight", "seed")
 
 
 def train(args) -> dict:
     """The run described by the parsed arguments (see `parse_args`). Returns the summary (also in summary.json)."""
-    import orbax.checkpoint as ocp
-
-    from specjax.heads.medusa_io import save_medusa
     from specjax.drafters.medusa import choices_from_accuracy, expected_accepted
+    from specjax.heads.medusa_io import save_medusa
     from specjax.models.loading import load_model
     from specjax.train.data import load_dataset
 
     t_start = time.perf_counter()
-    os.makedirs(args.out, exist_ok=True)
     run = {k: getattr(args, k) for k in _RUN_KEYS}
     run["data"] = [os.path.abspath(d) for d in args.data]
-    run_path = os.path.join(args.out, "run.json")
-    if os.path.exists(run_path):
-        with open(run_path) as f:
-            old = json.load(f)
-        diff = {k: (old.get(k), run[k]) for k in _RUN_KEYS if old.get(k) != run[k]}
-        if diff:
-            raise MedusaTrainError(f"{args.out} holds a run with other settings {diff} (old, new); resume with the "
-                                   "same arguments or pick a new --out")
-    with open(run_path, "w") as f:
-        json.dump(run, f, indent=2)
+    check_run(args.out, run, MedusaTrainError)
 
     arrays, meta = _load_all(args.data, load_dataset)
     target = load_model(args.target, "float32", with_tokenizer=False)
@@ -312,18 +264,12 @@ def train(args) -> dict:
         feats = extract_features(tparams, tcfg, arrays, args.out, batch=args.feature_batch, progress=args.progress)
     feature_seconds = time.perf_counter() - t0
 
-    map_path = os.path.join(args.out, "token_map.npy")
+    token_map, t2d = None, np.arange(V, dtype=np.int32)
     if args.draft_vocab:
-        if os.path.exists(map_path):
-            token_map = np.load(map_path, allow_pickle=False)
-        else:
-            always = sorted(set(meta.get("stop_token_ids", [])) | {0, 1, 2})
-            token_map = select_token_map(arrays, train_rows, args.draft_vocab, V, always)
-            np.save(map_path, token_map)
+        token_map = cached_array(os.path.join(args.out, "token_map.npy"), lambda: select_vocab(
+            arrays, args.draft_vocab, V, always_ids(meta), rows=train_rows, what="--draft-vocab"))
         t2d = np.full(V, -1, np.int32)
         t2d[token_map] = np.arange(token_map.size, dtype=np.int32)
-    else:
-        token_map, t2d = None, np.arange(V, dtype=np.int32)
     hcfg = MedusaConfig(num_heads=args.heads, hidden_size=H, vocab_size=V, num_layers=args.layers,
                         draft_vocab_size=None if token_map is None else int(token_map.size))
     lm = target_lm_rows(tparams, None if token_map is None else jnp.asarray(token_map))  # [Vd, H] frozen
@@ -334,79 +280,42 @@ def train(args) -> dict:
     in_vocab = float(np.mean(train_t["hard"][:, 0] >= 0))
 
     optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
-    blocks = init_heads(hcfg, jax.random.PRNGKey(args.seed), jnp.float32,
-                        token_map=token_map)["blocks"]
-    opt_state = optimizer.init(blocks)
-    mngr = checkpoint_manager(args.out, args.checkpoint_every)
-    start = 0
-    if mngr.latest_step() is not None:
-        start = mngr.latest_step()
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, {"blocks": blocks, "opt": opt_state})
-        restored = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
-        blocks, opt_state = restored["blocks"], restored["opt"]
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    history = _read_metrics(metrics_path, start)
-
-    def log(rec):
-        history.append(rec)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
-    if start == 0 and eval_t is not None and not any(r["kind"] == "eval" for r in history):
-        log({"kind": "eval", "step": 0, **evaluate(blocks, lm, feats, eval_t, args.eval_batch, args.hard_weight)})
+    blocks = init_heads(hcfg, jax.random.PRNGKey(args.seed), jnp.float32, token_map=token_map)["blocks"]
     P = train_t["row"].shape[0]
     per_epoch = max(1, P // args.batch)
-    from tqdm import tqdm
 
-    bar = tqdm(total=args.steps, initial=start, desc="train medusa", unit="step", disable=not args.progress)
-    ema = None
-    t0 = time.perf_counter()
-    for step in range(start, args.steps):
-        # The order is a pure function of (seed, epoch), so a resumed run sees the same batches.
+    def batch_at(step):
         epoch, k = divmod(step, per_epoch)
         perm = np.random.default_rng([args.seed, epoch]).permutation(P)
-        x, b = _device_batch(feats, train_t, perm[k * args.batch:(k + 1) * args.batch])
-        blocks, opt_state, m = train_step(blocks, opt_state, lm, x, b, optimizer=optimizer,
-                                          hard_weight=args.hard_weight)
-        loss = float(m["loss"])
-        if not math.isfinite(loss):
-            raise MedusaTrainError(f"loss became {loss} at step {step + 1}; lower --lr (now {args.lr})")
-        top1 = np.asarray(m["top1"]).tolist()
-        ema = (loss, top1) if ema is None else (0.95 * ema[0] + 0.05 * loss,
-                                                [0.95 * a + 0.05 * b_ for a, b_ in zip(ema[1], top1)])
-        done = step + 1
-        log({"kind": "train", "step": done, "loss": loss, "head_loss": np.asarray(m["head_loss"]).tolist(),
-             "top1": top1, "lr": float(schedule(step)), "seconds": round(time.perf_counter() - t0, 2)})
-        bar.update(1)
-        bar.set_postfix(loss=f"{ema[0]:.3f}", top1="/".join(f"{a:.2f}" for a in ema[1]))
-        if eval_t is not None and (done % args.eval_every == 0 or done == args.steps):
-            ev = evaluate(blocks, lm, feats, eval_t, args.eval_batch, args.hard_weight)
-            log({"kind": "eval", "step": done, **ev})
-            bar.write(f"step {done}: held-out loss {ev['loss']:.3f} top1 {[round(a, 3) for a in ev['top1']]}")
-        mngr.save(done, args=ocp.args.StandardSave({"blocks": blocks, "opt": opt_state}), force=done == args.steps)
-    bar.close()
-    mngr.wait_until_finished()
-    train_seconds = time.perf_counter() - t0
+        return _device_batch(feats, train_t, perm[k * args.batch:(k + 1) * args.batch])
 
-    final_eval = next((r for r in reversed(history) if r["kind"] == "eval"), None)
-    choices = None
-    if final_eval is not None:
-        acc = np.asarray(final_eval["rank_accuracy"])
-        choices = choices_from_accuracy(acc, args.tree_nodes)
-    params = {"blocks": blocks}
+    def run_eval(p, step, final):
+        return None if eval_t is None else evaluate(p, lm, feats, eval_t, args.eval_batch, args.hard_weight)
+
+    def record(m):
+        return {"loss": float(m["loss"]), "head_loss": np.asarray(m["head_loss"]).tolist(),
+                "top1": np.asarray(m["top1"]).tolist()}
+
+    step = functools.partial(update, optimizer=optimizer, hard_weight=args.hard_weight)
+    res = fit(lambda b, o, lm_, xb: step(b, o, lm_, *xb), blocks, optimizer, schedule, lm, batch_at, out=args.out,
+              steps=args.steps, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, record=record,
+              evaluate=run_eval, show=("loss", "top1"), progress=args.progress, desc="train medusa", lr=args.lr,
+              describe=lambda ev: f"held-out loss {ev['loss']:.3f} top1 {[round(a, 3) for a in ev['top1']]}",
+              params_key="blocks", error=MedusaTrainError)
+
+    final_eval = last_eval(res.history)
+    choices = choices_from_accuracy(np.asarray(final_eval["rank_accuracy"]), args.tree_nodes) if final_eval else None
+    params = {"blocks": res.params}
     if token_map is not None:
         params["token_map"] = jnp.asarray(token_map, jnp.int32)
-    train_recs = [r for r in history if r["kind"] == "train"]
-    last = train_recs[-50:]
     summary = {
-        "steps": args.steps, "resumed_from_step": start, "train_sequences": int(train_rows.size),
+        "steps": args.steps, "resumed_from_step": res.start, "train_sequences": int(train_rows.size),
         "heldout_sequences": int(eval_rows.size),
         "train_positions": int(P), "draft_vocab": None if token_map is None else int(token_map.size),
-        "train_targets_in_draft_vocab": in_vocab,
-        "final_train_loss": float(np.mean([r["loss"] for r in last])) if last else None,
-        "final_train_head_loss": np.mean([r["head_loss"] for r in last], axis=0).tolist() if last else None,
-        "final_train_top1": np.mean([r["top1"] for r in last], axis=0).tolist() if last else None,
-        "feature_seconds_this_run": round(feature_seconds, 1), "train_seconds_this_run": round(train_seconds, 1),
+        "train_targets_in_draft_vocab": in_vocab, "final_train_loss": train_mean(res.history, "loss"),
+        "final_train_head_loss": train_mean(res.history, "head_loss"),
+        "final_train_top1": train_mean(res.history, "top1"),
+        "feature_seconds_this_run": round(feature_seconds, 1), "train_seconds_this_run": round(res.seconds, 1),
         "total_seconds_this_run": round(time.perf_counter() - t_start, 1),
         "heldout": final_eval, "tree_choices": [list(c) for c in choices] if choices else None,
         "tree_expected_accepted": expected_accepted(final_eval["rank_accuracy"], choices) if choices else None,
@@ -417,7 +326,7 @@ def train(args) -> dict:
             "heldout_top1": final_eval["top1"] if final_eval else None,
             "heldout_rank_accuracy": final_eval["rank_accuracy"] if final_eval else None}
     save_medusa(export, hcfg, params, layout="specjax", base_model=args.target, dtype="bfloat16", info=info)
-    plot_curves(history, os.path.join(export, "training_curve.png"))
+    plot_curves(res.history, os.path.join(export, "training_curve.png"))
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
@@ -457,43 +366,21 @@ def plot_curves(history: list[dict], path: str) -> None:
     plt = pyplot_or_none(path)
     if plt is None:
         return
-
-    tr = [r for r in history if r["kind"] == "train"]
-    ev = [r for r in history if r["kind"] == "eval"]
+    tr, ev = split_history(history)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     K = len((tr or ev)[0]["top1"]) if (tr or ev) else 0
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    if tr:
-        steps = np.asarray([r["step"] for r in tr])
-        w = max(1, len(tr) // 40)
-        smooth = lambda x: np.convolve(x, np.ones(w) / w, mode="valid")
-        for k in range(K):
-            c = colors[k % len(colors)]
-            a1.plot(steps[w - 1:], smooth(np.asarray([r["head_loss"][k] for r in tr])), color=c,
-                    label=f"head {k + 1} train")
-            a2.plot(steps[w - 1:], smooth(np.asarray([r["top1"][k] for r in tr])), color=c, label=f"head {k + 1} train")
     for k in range(K):
-        if ev:
-            c = colors[k % len(colors)]
-            a1.plot([r["step"] for r in ev], [r["head_loss"][k] for r in ev], "o--", color=c, alpha=0.7,
-                    label=f"head {k + 1} held-out")
-            a2.plot([r["step"] for r in ev], [r["top1"][k] for r in ev], "o--", color=c, alpha=0.7,
-                    label=f"head {k + 1} held-out")
+        c = colors[k % len(colors)]
+        for ax, key in ((a1, "head_loss"), (a2, "top1")):
+            if tr:
+                ax.plot(*smoothed(tr, [r[key][k] for r in tr], 40), color=c, label=f"head {k + 1} train")
+            if ev:
+                ax.plot([r["step"] for r in ev], [r[key][k] for r in ev], "o--", color=c, alpha=0.7,
+                        label=f"head {k + 1} held-out")
     a1.set(xlabel="step", ylabel="cross-entropy", title="loss per head (head k predicts token t + k + 1)")
     a2.set(xlabel="step", ylabel="top-1 accuracy", title="top-1 accuracy per head")
-    for a in (a1, a2):
-        a.grid(alpha=0.3)
-        a.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-def _tqdm(it, enabled: bool, **kw):
-    from tqdm import tqdm
-
-    return tqdm(it, disable=not enabled, **kw)
+    save_figure(plt, fig, (a1, a2), path, fontsize=7, ncol=2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -520,11 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--features-cache", default=None,
                     help="read the target features from this cache of `specjax.train.data --features-out` (or of "
                          "`specjax.train.eagle`) instead of computing them (one --data file only)")
-    ap.add_argument("--checkpoint-every", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=200)
-    ap.add_argument("--eval-batch", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    add_loop_options(ap, checkpoint_every=100, eval_every=200, eval_batch=1024)
     return ap
 
 
@@ -540,9 +423,7 @@ def parse_args(argv=None):
 
 def main(argv: list[str] | None = None) -> dict:
     """Command-line entry point: `python -m specjax.train.medusa --data DATA.npz --out DIR ...`."""
-    summary = train(parse_args(argv))
-    print(json.dumps({k: v for k, v in summary.items() if k != "data_meta"}, indent=1))
-    return summary
+    return report(train(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,280 @@
+"""specjax's configs: the model, sampling, speculation and backend sections, and the CLI's RunConfig.
+
+Each is a frozen dataclass (hashable, so a static argument to `jax.jit`) that type-checks and canonicalizes its
+fields on construction (`specjax.config.machinery`) and raises a one-line `ConfigError` naming the bad key and
+the fix. `load_run_config` builds the command line's config from the packaged YAML files.
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import InitVar, dataclass, field
+from typing import Any, Literal, Optional
+
+from specjax.config.files import _package_root, load_yaml, load_yaml_dict, packaged_config_path
+from specjax.config.machinery import ConfigError, _coerce, _invalid, _normalize, apply_overrides, from_dict, merge
+
+__all__ = [
+    "ModelConfig",
+    "SamplingParams",
+    "SpeculativeConfig",
+    "BackendConfig",
+    "RunConfig",
+    "SPECULATIVE_METHODS",
+    "load_run_config",
+]
+
+
+SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "medusa", "eagle", "eagle3")
+
+
+def _from_user(cls: type, obj: Any, name: str) -> Any:
+    """A user's `name` argument as a `cls`: None gives the defaults, a mapping is read strictly (errors located
+    under `name`), an instance is kept."""
+    if obj is None:
+        return cls()
+    if isinstance(obj, cls):
+        return obj
+    if isinstance(obj, Mapping):
+        return from_dict(cls, obj, where=name)
+    raise ConfigError(f"{name} must be None, a dict or {cls.__name__}, got {type(obj).__name__}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which target model to run. `model` is a registry name (e.g. 'smollm2-135m') or a local path;
+    `max_context` caps the KV cache length (None = the model's own limit)."""
+
+    model: str = "smollm2-135m"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_context: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _normalize(self)
+        if not self.model.strip():
+            raise _invalid("model", self.model, "must name a model; use e.g. 'smollm2-135m' or a local path")
+        if self.max_context is not None and self.max_context < 1:
+            raise _invalid("max_context", self.max_context,
+                           "must be >= 1; use null for the model's own context length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are sampled; also specjax's public Python sampling API (vLLM style).
+
+    `temperature=0` is greedy decoding. `top_k=0` and `top_p=1` switch those filters off. `max_tokens` is
+    accepted as an input-only alias of `max_new_tokens`: `SamplingParams(temperature=0.7, max_tokens=64)`;
+    read the value back as `max_new_tokens`.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    max_tokens: InitVar[Optional[int]] = None
+
+    # Alternative key names accepted by from_dict / merge / apply_overrides (not a dataclass field).
+    _config_aliases = types.MappingProxyType({"max_tokens": "max_new_tokens"})
+
+    def __post_init__(self, max_tokens: Optional[int]) -> None:
+        _normalize(self)
+        if max_tokens is not None:
+            max_tokens = _coerce(int, max_tokens, "max_tokens")
+            default = SamplingParams.__dataclass_fields__["max_new_tokens"].default
+            if self.max_new_tokens not in (default, max_tokens):
+                raise _invalid("max_tokens", max_tokens,
+                               f"conflicts with max_new_tokens={self.max_new_tokens}; give only one of them")
+            object.__setattr__(self, "max_new_tokens", max_tokens)
+        if self.max_new_tokens < 1:
+            raise _invalid("max_new_tokens", self.max_new_tokens, "must be >= 1; ask for at least one token")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise _invalid("temperature", self.temperature,
+                           "must be a finite number >= 0; use 0 for greedy decoding or e.g. 0.7 to sample")
+        if self.top_k < 0:
+            raise _invalid("top_k", self.top_k, "must be >= 0; use 0 to switch top-k filtering off")
+        if not (0 < self.top_p <= 1):
+            raise _invalid("top_p", self.top_p, "must be in (0, 1]; use 1.0 to switch nucleus sampling off")
+        if self.seed < 0:
+            raise _invalid("seed", self.seed, "must be >= 0; use a non-negative integer seed")
+        for i, tok in enumerate(self.stop_token_ids):
+            if tok < 0:
+                raise _invalid(f"stop_token_ids[{i}]", tok, "token ids must be >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding is deterministic argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_user(cls, obj: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
+        """None (defaults), a dict such as {"temperature": 0.7, "max_tokens": 64}, or an instance."""
+        return _from_user(cls, obj, "sampling_params")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings (vLLM-compatible key names where vLLM has them).
+
+    method: None (plain decoding) or one of SPECULATIVE_METHODS.
+    num_speculative_tokens: gamma, tokens drafted per step (for medusa: the number of heads).
+    model: draft model name/path (draft_model) or head checkpoint path (medusa / eagle / eagle3).
+    prompt_lookup_min/max: n-gram sizes matched against the context (ngram). The minimum is 3 by default: on
+        13 Spec-Bench prompts 1- and 2-token matches proposed more often and were accepted less (first-token
+        acceptance 0.54 against 0.67 with min 3), so more verify steps were paid for fewer tokens
+        (reports/spec_bench_cpu/lookup_tuning/).
+    suffix_*: suffix-tree drafter limits (suffix).
+    tree_choices: a static token tree as paths of top-k ranks, e.g. ((0,), (1,), (0, 0)); must be prefix-closed.
+    top_k / depth / total_tokens: dynamic draft tree shape (eagle / eagle3).
+    lookup_tokens: eagle / eagle3 / medusa: where the context holds an n-gram match (prompt_lookup_min/max), up
+        to this many looked-up tokens become the first branch of the head's tree, in place of its last nodes
+        (same node budget, so the same verify cost; `specjax.drafters.with_lookup`). 0 = the head alone.
+    acceptance: 'lossless' (exact target distribution) or 'typical' (Medusa typical acceptance; lossy, see
+        `is_lossy`); typical_posterior_* are its threshold and alpha.
+    adaptive: per-sequence back-off (`spec_engine.Adaptive`): a sequence whose accepted tokens per verify step
+        stay below the break-even measured on this hardware decodes plainly and probes again later;
+        False = always speculate.
+    """
+
+    method: Optional[Literal["draft_model", "ngram", "suffix", "medusa", "eagle", "eagle3"]] = None
+    num_speculative_tokens: int = 4
+    model: Optional[str] = None
+    prompt_lookup_min: int = 3
+    prompt_lookup_max: int = 3
+    suffix_max_depth: int = 24
+    suffix_min_token_prob: float = 0.1
+    suffix_max_spec_factor: float = 1.0
+    tree_choices: Optional[tuple[tuple[int, ...], ...]] = None
+    top_k: int = 8
+    depth: int = 5
+    total_tokens: int = 32
+    lookup_tokens: int = 0
+    acceptance: Literal["lossless", "typical"] = "lossless"
+    typical_posterior_threshold: float = 0.09
+    typical_posterior_alpha: float = 0.3
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        _normalize(self)
+        if self.num_speculative_tokens < 1:
+            raise _invalid("num_speculative_tokens", self.num_speculative_tokens,
+                           "must be >= 1 (tokens drafted per step); use method: null to switch speculation off")
+        if self.method == "draft_model" and not self.model:
+            raise _invalid("model", self.model,
+                           "method 'draft_model' needs a draft model; set model to a model name or local path")
+        if self.method is None and self.model is not None:
+            raise _invalid("model", self.model,
+                           "is set but method is null; set method (e.g. 'draft_model') or model: null")
+        if self.model is not None and not self.model.strip():
+            raise _invalid("model", self.model, "must not be empty; use null for no model")
+        if self.prompt_lookup_min < 1:
+            raise _invalid("prompt_lookup_min", self.prompt_lookup_min, "must be >= 1 (n-gram length)")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise _invalid("prompt_lookup_min", self.prompt_lookup_min,
+                           f"must be <= prompt_lookup_max={self.prompt_lookup_max}; lower it or raise the max")
+        if self.suffix_max_depth < 1:
+            raise _invalid("suffix_max_depth", self.suffix_max_depth, "must be >= 1")
+        if not (0 <= self.suffix_min_token_prob <= 1):
+            raise _invalid("suffix_min_token_prob", self.suffix_min_token_prob, "must be in [0, 1]")
+        if not (math.isfinite(self.suffix_max_spec_factor) and self.suffix_max_spec_factor > 0):
+            raise _invalid("suffix_max_spec_factor", self.suffix_max_spec_factor, "must be a finite number > 0")
+        for name in ("top_k", "depth", "total_tokens"):
+            if getattr(self, name) < 1:
+                raise _invalid(name, getattr(self, name), "must be >= 1 (draft tree shape)")
+        if self.tree_choices is not None:
+            _check_tree(self.tree_choices)
+        if self.lookup_tokens < 0:
+            raise _invalid("lookup_tokens", self.lookup_tokens, "must be >= 0 (0 = no lookup branch)")
+        if self.lookup_tokens and self.method not in ("eagle", "eagle3", "medusa"):
+            raise _invalid("lookup_tokens", self.lookup_tokens,
+                           f"merges a lookup branch into a head's tree, so it needs method eagle, eagle3 or medusa "
+                           f"(got {self.method!r}); for lookups alone use method 'ngram'")
+        if not (0 < self.typical_posterior_threshold <= 1):
+            raise _invalid("typical_posterior_threshold", self.typical_posterior_threshold, "must be in (0, 1]")
+        if not (0 <= self.typical_posterior_alpha <= 1):
+            raise _invalid("typical_posterior_alpha", self.typical_posterior_alpha, "must be in [0, 1]")
+
+    @property
+    def enabled(self) -> bool:
+        """True when a speculative method is selected."""
+        return self.method is not None
+
+    @property
+    def is_lossy(self) -> bool:
+        """True iff acceptance is 'typical': outputs may then differ from the target model's distribution."""
+        return self.acceptance == "typical"
+
+    @classmethod
+    def from_user(cls, obj: "SpeculativeConfig | Mapping[str, Any] | None") -> "SpeculativeConfig":
+        """None (no speculation), a vLLM-style dict such as
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or an instance."""
+        return _from_user(cls, obj, "speculative_config")
+
+
+def _check_tree(choices: tuple[tuple[int, ...], ...]) -> None:
+    seen = set()
+    for i, path in enumerate(choices):
+        where = f"tree_choices[{i}]"
+        if not path:
+            raise _invalid(where, list(path), "tree paths must be non-empty lists of top-k ranks")
+        if any(r < 0 for r in path):
+            raise _invalid(where, list(path), "top-k ranks must be >= 0")
+        if path in seen:
+            raise _invalid(where, list(path), "duplicate tree path; list each node once")
+        seen.add(path)
+    for i, path in enumerate(choices):
+        parent = path[:-1]
+        if parent and parent not in seen:
+            raise _invalid(f"tree_choices[{i}]", list(path),
+                           f"its parent {list(parent)} is missing; every prefix of a path must be listed too")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Where to run. backend 'auto' picks the best available JAX platform; attention_impl names an attention
+    kernel ('auto' = the backend's default)."""
+
+    backend: Literal["auto", "cpu", "gpu", "tpu", "neuron"] = "auto"
+    attention_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        _normalize(self)
+        if not self.attention_impl.strip():
+            raise _invalid("attention_impl", self.attention_impl, "must not be empty; use 'auto'")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The command line's top-level config: one YAML file (configs/default.yaml) maps onto it. Sections left out
+    of a YAML file keep their defaults, so a method file only needs its `speculative:` section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    batch_size: int = 1
+    prompts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _normalize(self)
+        if self.batch_size < 1:
+            raise _invalid("batch_size", self.batch_size, "must be >= 1")
+
+
+def load_run_config(config: Optional[str | pathlib.Path] = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """The CLI's config: packaged `default.yaml`, then `config` (a packaged name such as 'methods/ngram' or a
+    file path) merged over it, then `key=value` overrides."""
+    root = _package_root()
+    default = root / "default.yaml" if root is not None else None
+    cfg = load_yaml(RunConfig, default) if default is not None and default.is_file() else RunConfig()
+    if config is not None:
+        path = packaged_config_path(config)
+        try:
+            cfg = merge(cfg, load_yaml_dict(path))
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
+    return apply_overrides(cfg, overrides)

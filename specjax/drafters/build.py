@@ -1,0 +1,119 @@
+"""Method -> drafter: `build_drafter(spec, target_params, target_config, dtype)` -> (drafter, dparams).
+
+Pure (no cache: `runners.runtime.SpecRuntime.drafter` keeps what it builds). Loading a specjax-trained draft
+goes through `specjax.models.draft_io`, never through specjax.train: inference does not import training.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from specjax import acceptance
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.ngram import NgramDrafter
+from specjax.errors import SpecjaxError
+from specjax.models.llama import fuse_projections
+
+METHODS = ("ngram", "draft_model", "suffix", "medusa", "eagle", "eagle3")
+
+
+class SpeculativeConfigError(SpecjaxError, ValueError):
+    """The speculative configuration cannot be used with this target model."""
+
+
+def build_drafter(spec, target_params: dict, target_config, dtype: str = "float32") -> tuple:
+    """(drafter, dparams) for a SpeculativeConfig and the target it drafts for.
+
+    target_params: the target's (fused) params; heads share its embedding / lm_head, a draft model casts to its
+    dtype. target_config: its LlamaConfig. dtype: the dtype a Hugging Face draft model is loaded in.
+    """
+    g = spec.num_speculative_tokens
+    if spec.method == "ngram":
+        built = NgramDrafter(g, spec.prompt_lookup_min, spec.prompt_lookup_max), {}
+    elif spec.method == "draft_model":
+        built = _draft_model(spec, target_params, target_config, dtype)
+    elif spec.method == "suffix":
+        from specjax.drafters.suffix import SuffixDrafter
+
+        built = SuffixDrafter.from_config(spec), {}
+    elif spec.method == "medusa":
+        from specjax.drafters import medusa
+
+        built = medusa.load(spec.model, target_params, target_config.hidden_size, target_config.vocab_size,
+                            num_speculative_tokens=g, tree_choices=spec.tree_choices,
+                            acceptance_rule=spec.acceptance,
+                            typical_posterior_threshold=spec.typical_posterior_threshold,
+                            typical_posterior_alpha=spec.typical_posterior_alpha)
+    elif spec.method in ("eagle", "eagle3"):
+        from specjax.drafters.eagle import load_eagle_drafter, resolve_head_path
+
+        built = load_eagle_drafter(resolve_head_path(spec.model, spec.method), spec.method, target_config,
+                                   target_params, top_k=spec.top_k, depth=spec.depth, total_tokens=spec.total_tokens)
+    else:
+        raise SpeculativeConfigError(
+            f"speculative method {spec.method!r} is not available in this build of specjax; "
+            f"available: {', '.join(repr(m) for m in METHODS)}")
+    built = _with_acceptance(built, spec)
+    if spec.lookup_tokens:
+        from specjax.drafters.with_lookup import WithLookup
+
+        lookup = NgramDrafter(spec.lookup_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        built = WithLookup(built[0], lookup), built[1]
+    return built
+
+
+def _with_acceptance(built, spec):
+    """Apply `acceptance: typical` (lossy, opt-in) to a drafter whose candidates are deterministic."""
+    drafter, dparams = built
+    if spec.acceptance != "typical" or isinstance(drafter.mode, acceptance.TypicalMode):
+        return built
+    if drafter.mode != "deterministic":
+        raise SpeculativeConfigError(
+            f"acceptance 'typical' needs deterministic drafts (medusa, eagle, eagle3, ngram, suffix); method "
+            f"{spec.method!r} samples its drafts, so use acceptance 'lossless'")
+    mode = acceptance.TypicalMode(spec.typical_posterior_threshold, spec.typical_posterior_alpha)
+    return dataclasses.replace(drafter, mode=mode), dparams
+
+
+def _draft_model(spec, target_params: dict, target_config, dtype: str):
+    from specjax.models.loading import load_model, resolve_model
+
+    path = resolve_draft_path(spec.model)
+    cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else None
+    if cfg_file and "specjax_draft" in pathlib.Path(cfg_file).read_text():
+        from specjax.models.draft_io import load_draft
+
+        config, params, d2t = load_draft(path, target_params)
+        _check_vocab(spec, config, target_config, "was built for")
+        cast = jax.tree_util.tree_map(lambda a: a.astype(target_params["embed"].dtype), params)
+        dparams = {"params": fuse_projections(cast), "d2t": jnp.asarray(d2t, jnp.int32)}
+    else:
+        resolve_model(path)
+        loaded = load_model(path, dtype, with_tokenizer=False)
+        config = loaded.config
+        _check_vocab(spec, config, target_config, "has")
+        dparams = {"params": fuse_projections(loaded.params)}
+    return DraftModelDrafter(config, spec.num_speculative_tokens, target_config.vocab_size), dparams
+
+
+def _check_vocab(spec, config, target_config, verb: str) -> None:
+    if config.vocab_size != target_config.vocab_size:
+        raise SpeculativeConfigError(
+            f"draft model {spec.model!r} {verb} a vocabulary of {config.vocab_size} tokens, the target has "
+            f"{target_config.vocab_size}; a draft must share the target's tokenizer")
+
+
+def resolve_draft_path(model: str | None) -> str:
+    """A draft path as given, or relative to the installed package (the shipped `assets/...` drafts)."""
+    if model is None:
+        raise SpeculativeConfigError("method 'draft_model' needs `model`: the path of the draft model")
+    if os.path.exists(model):
+        return model
+    packaged = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), model)
+    if os.path.exists(packaged):
+        return packaged
+    raise SpeculativeConfigError(f"draft model path {model!r} does not exist (also looked in {packaged})")
