@@ -29,7 +29,7 @@ from specjax.config import (
     to_yaml,
 )
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 # Run configs; training configs (configs/train/, `specjax train-head`) have their own schema, tested below.
 YAML_FILES = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name != "train")
 TRAIN_YAML_FILES = sorted((CONFIG_DIR / "train").glob("*.yaml"))

@@ -411,7 +411,7 @@ def test_sigkill_at_random_points_then_resume(clean, tmp_path):
     inp, results = clean
     out = tmp_path / "out.jsonl"
     here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); import test_batch; "
+    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; import test_batch; "
             f"test_batch._child({inp!r}, {str(out)!r}, {str(tmp_path / 'jit-cache')!r})")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     rng = random.Random(1234)
