@@ -94,8 +94,6 @@ def names(wheel) -> set[str]:
         return set(z.namelist())
 
 
-
-
 def test_discovery_sees_the_core_packages():
     """Guard: discovery itself works (else every parametrized test below could pass vacuously)."""
     pkgs = source_packages()
@@ -103,6 +101,40 @@ def test_discovery_sees_the_core_packages():
                  "specjax/kernels/pallas", "specjax/configs"):
         assert must in pkgs
     assert len(config_yamls()) >= 2
+
+
+def init_packages() -> list[str]:
+    """Dotted names of every source folder with an __init__.py below the mapped roots (the wheel's packages)."""
+    return sorted(p.replace("/", ".") for p in source_packages()
+                  if os.path.isfile(os.path.join(ROOT, *_source_folder(p), "__init__.py")))
+
+
+def _source_folder(wheel_dir: str) -> tuple[str, ...]:
+    """Source folder (as path parts below ROOT) of a wheel path, through the longest matching mapped root."""
+    src, dst = max(((s, d) for s, d in MAPPING.items() if wheel_dir == d or wheel_dir.startswith(d + "/")),
+                   key=lambda sd: len(sd[1]))
+    rest = wheel_dir[len(dst):].lstrip("/")
+    return (src, *rest.split("/")) if rest else (src,)
+
+
+def declared_packages() -> set[str]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+
+
+def test_pyproject_packages_name_every_source_package():
+    """Fast check (no wheel build): pyproject's explicit `packages` list names every folder with an __init__.py
+    under specjax/, backends/, kernels/, configs/ at its specjax.* name, and nothing that is gone."""
+    found = set(init_packages())
+    assert {"specjax", "specjax.runners", "specjax.kernels", "specjax.backends"} <= found, sorted(found)
+    declared = declared_packages()
+    missing, gone = sorted(found - declared), sorted(declared - found)
+    assert not missing, f"add to pyproject.toml [tool.setuptools] packages: {missing}"
+    assert not gone, f"pyproject.toml [tool.setuptools] packages names folders without an __init__.py: {gone}"
 
 
 @pytest.mark.slow
@@ -167,7 +199,8 @@ def test_unpacked_wheel_imports_outside_the_repo(wheel, tmp_path):
         "import importlib, os, sys\n"
         "site = sys.argv[1]\n"
         "mods = ['specjax', 'specjax.models.llama', 'specjax.models.loading', 'specjax.drafters', 'specjax.backends',"
-        " 'specjax.kernels', 'specjax.kernels.pallas', 'specjax.engine', 'specjax.api']\n"
+        " 'specjax.kernels', 'specjax.kernels.pallas', 'specjax.engine', 'specjax.api', 'specjax.runners',"
+        " 'specjax.tools', 'specjax.cli', 'specjax.config', 'specjax.heads', 'specjax.train']\n"
         "for m in mods:\n"
         "    f = importlib.import_module(m).__file__\n"
         "    assert f.startswith(site), (m, f)\n"

@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit 88676ec, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=88676ec p=reports/decode_cpu/attention/attention_layers.py
 """30 layers of SmolLM2's attention alone (9 query heads, 3 KV heads, D = 64), XLA's version against the C++ kernel:
 python reports/decode_cpu/attention/attention_layers.py"""
 import time, numpy as np, jax, jax.numpy as jnp

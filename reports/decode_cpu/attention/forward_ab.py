@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit 88676ec, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=88676ec p=reports/decode_cpu/attention/forward_ab.py
 """Whole SmolLM2 forward, SPECJAX_CPU_ATTENTION=xla against kernel, compiled side by side and interleaved:
 python reports/decode_cpu/attention/forward_ab.py float32 "((1,1,256,512),(1,5,256,512))" 8
 (cases are (batch, new tokens, committed length, cache capacity))."""

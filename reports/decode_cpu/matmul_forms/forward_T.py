@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit 4283a0b, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=4283a0b p=reports/decode_cpu/matmul_forms/forward_T.py
 import time, sys, numpy as np, jax, jax.numpy as jnp
 from specjax.api import LLM
 from specjax.models.llama import forward

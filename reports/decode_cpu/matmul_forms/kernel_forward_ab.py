@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit 4fe3bc1, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=4fe3bc1 p=reports/decode_cpu/matmul_forms/kernel_forward_ab.py
 import time, sys, os, numpy as np, jax, jax.numpy as jnp
 from specjax.api import LLM
 from specjax.models.llama import forward

@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit 4fe3bc1, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=4fe3bc1 p=reports/decode_cpu/matmul_forms/kernel_layers.py
 import numpy as np, time, jax, jax.numpy as jnp
 from specjax.kernels import cpu_matmul as cm
 assert cm.available()

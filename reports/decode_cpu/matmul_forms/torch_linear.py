@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit 4283a0b, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=4283a0b p=reports/decode_cpu/matmul_forms/torch_linear.py
 import torch, time
 torch.set_num_threads(2)
 H=576;L=30

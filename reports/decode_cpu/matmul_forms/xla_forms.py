@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit 4283a0b, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=4283a0b p=reports/decode_cpu/matmul_forms/xla_forms.py
 import time, numpy as np, jax, jax.numpy as jnp
 from jax import lax
 H=576; L=30

@@ -1,4 +1,6 @@
 #!/bin/bash
+# Evidence (reports/README.md): ran at commit a20a957, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=a20a957 p=reports/decode_cpu/prefetch/run.sh
 # A/B of the tiles with and without the next-tile prefetch: this tree's tiles.h against the one before it (b68ba79).
 # Alternates the two builds for three rounds, because this shared machine's bandwidth drifts by 10-20% in minutes.
 set -euo pipefail

@@ -1,4 +1,6 @@
 #!/bin/bash
+# Evidence (reports/README.md): ran at commit 2538579, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=2538579 p=reports/decode_cpu/read_ceiling/run.sh
 # The read ceiling of a float32 decode step on this machine: alternates, three rounds, a plain decode step of
 # SmolLM2-135M (batch 1, 256 new tokens, median of 3 timed loops; step_ms.py) with the time two threads take to
 # read the same 540 MB linearly (read_probe.cc, 4 KB and 2 MB pages), because the machine's bandwidth drifts by

@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit 2538579, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=2538579 p=reports/decode_cpu/read_ceiling/step_ms.py
 """Median step time of plain greedy decoding (SmolLM2-135M float32, batch 1, 256 new tokens, the on-device loop,
 prefill excluded): 3 timed loops after one that compiles."""
 import time

@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit 1ca987a, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=1ca987a p=reports/spec_bench_cpu/backoff_observe/ab.py
 """Interleaved plain decoding and a shipped method config (back-off on), per Spec-Bench prompt; prints the
 per-category speed ratio (fastest of 2 reps each). Run from the repository root:
     python reports/spec_bench_cpu/backoff_observe/ab.py writing,coding,qa,rag,summarization eagle3

@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit 0bc1e90, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=0bc1e90 p=reports/spec_bench_cpu/deferred_kv_write/ab_verify.py
 # Longest RAG/summarization prompt of spec_bench_lookup9.jsonl, 96 new tokens, back-off off (every step verifies).
 # Run from the repository root: python reports/spec_bench_cpu/deferred_kv_write/ab_verify.py draft_model
 import json, sys, time

@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit 2e4661f, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=2e4661f p=reports/spec_bench_cpu/lookup_tuning/trim_ab.py
 """A/B of suffix decoding with and without cutting proposals to 2/3/5-node verifies (`spec_engine.trim_proposal`),
 interleaved per prompt, every generation a first request. Run from the repository root; output in trim_ab.txt."""
 import json, time

@@ -1,3 +1,5 @@
+# Evidence (reports/README.md): ran at commit a1c5907, the commit that added it; today's code may not run it.
+# Rerun at that commit: reports/README.md "Rerunning a script" with c=a1c5907 p=reports/spec_bench_cpu/ngram_gamma/inloop_verify_cost.py
 """In-loop verify cost: spec_loop with a drafter that always proposes gamma tokens (every step verifies) against the
 plain decode loop and host-called verify_accept_jit, same prompt, alternating rounds."""
 import dataclasses, sys, time, jax, jax.numpy as jnp, numpy as np
