@@ -20,6 +20,7 @@ sampled drafts, whose q the proposal must carry).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -73,3 +74,13 @@ class Stateless:
 
     def observe_plain(self, dparams, dstate, ctx):
         return dstate
+
+
+def find_packaged(path: str) -> tuple[str | None, str]:
+    """(the path that exists, or None; the packaged candidate): `path` as given, else relative to the installed
+    specjax package, where the shipped drafts and heads live (`assets/...`)."""
+    packaged = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+    for candidate in (path, packaged):
+        if os.path.exists(candidate):
+            return candidate, packaged
+    return None, packaged

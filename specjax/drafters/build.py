@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import acceptance
+from specjax.drafters.base import find_packaged
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.errors import SpecjaxError
@@ -111,9 +112,7 @@ def resolve_draft_path(model: str | None) -> str:
     """A draft path as given, or relative to the installed package (the shipped `assets/...` drafts)."""
     if model is None:
         raise SpeculativeConfigError("method 'draft_model' needs `model`: the path of the draft model")
-    if os.path.exists(model):
-        return model
-    packaged = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), model)
-    if os.path.exists(packaged):
-        return packaged
-    raise SpeculativeConfigError(f"draft model path {model!r} does not exist (also looked in {packaged})")
+    found, packaged = find_packaged(model)
+    if found is None:
+        raise SpeculativeConfigError(f"draft model path {model!r} does not exist (also looked in {packaged})")
+    return found

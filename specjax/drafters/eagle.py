@@ -36,7 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import DraftContext, Proposal
+from specjax.drafters.base import DraftContext, Proposal, find_packaged
 from specjax.heads.eagle import HeadConfig, head_hidden, head_logits, init_head_cache, to_target_ids
 from specjax.kv_cache import KVCache
 from specjax.models.llama import dense_mask
@@ -290,17 +290,13 @@ DEFAULT_HEADS = {"eagle": "assets/smollm2-135m-eagle", "eagle3": "assets/smollm2
 def resolve_head_path(model: str | None, method: str) -> str:
     """A head path as given, or relative to the installed package (the shipped `assets/...` heads); None picks
     the head shipped for SmolLM2-135M."""
-    import os
-
     from specjax.heads.eagle_io import HeadFormatError
 
     model = model or DEFAULT_HEADS[method]
-    if os.path.exists(model):
-        return model
-    packaged = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), model)
-    if os.path.exists(packaged):
-        return packaged
-    raise HeadFormatError(f"head path {model!r} does not exist (also looked in {packaged})")
+    found, packaged = find_packaged(model)
+    if found is None:
+        raise HeadFormatError(f"head path {model!r} does not exist (also looked in {packaged})")
+    return found
 
 
 def load_eagle_drafter(path: str, method: str, target_config, target_params: dict, *, top_k: int = 8,
