@@ -185,7 +185,9 @@ def test_console_script_target_is_in_the_wheel(names, wheel):
         cp.read_string(z.read(entry).decode())
     target = cp["console_scripts"]["specjax"]
     module = target.split(":")[0]
-    assert module.replace(".", "/") + ".py" in names, f"console script {target} points at a module not in the wheel"
+    path = module.replace(".", "/")
+    assert path + ".py" in names or path + "/__init__.py" in names, \
+        f"console script {target} points at a module not in the wheel"
 
 
 @pytest.mark.slow
