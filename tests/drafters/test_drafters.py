@@ -27,7 +27,7 @@ import pytest
 
 from specjax import engine, spec_engine
 from specjax.config import SamplingParams
-from specjax.drafters.base import DraftContext, Proposal
+from specjax.drafters.base import DraftContext, Proposal, Stateless
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.suffix import SuffixDrafter, SuffixHostState
@@ -170,7 +170,7 @@ def test_ngram_matches_the_reference_on_random_histories(gamma, min_n, max_n):
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleDrafter:
+class OracleDrafter(Stateless):
     """Drafts a static tree with knowledge of the target's greedy continuation (dparams["ref"] [B, R]).
 
     Each step designates one node t: the nodes on t's root path carry the correct greedy tokens, every other
@@ -185,15 +185,6 @@ class OracleDrafter:
     vocab_size: int
     mode: str = "deterministic"
     features: tuple = ()
-
-    def init(self, dparams, target_params, prompts, prompt_lens, capacity, features=None):
-        return ()
-
-    def update(self, dparams, dstate, ctx, result):
-        return dstate
-
-    def observe_plain(self, dparams, dstate, ctx):
-        return dstate
 
     def designated(self, pick: jnp.ndarray, ctx: DraftContext) -> jnp.ndarray:
         N = self.tree.num_nodes
