@@ -90,20 +90,49 @@ def prefill_core(params: dict, config: LlamaConfig, buckets: Buckets, prompts: j
                       hidden_layers=feature_layers(features))
         cache, last_logits = out.cache, out.logits[:, 0]
         feats = target_features(out, features) if features else None
+    return first_token_state(cache._replace(lengths=prompt_lens.astype(jnp.int32)), last_logits, active, sampling,
+                             buckets.max_new), feats
+
+
+def first_token_state(cache: KVCache, last_logits: jax.Array, active: jax.Array, sampling: SamplingArrays,
+                      max_new: int) -> DecodeState:
+    """The decode state right after a prefill: sample each row's first token from its last prompt logits [B, V]
+    and emit it. cache: the prefilled cache, lengths = prompt lengths. Pure."""
+    B = last_logits.shape[0]
     # No lax.cond here: every compile policy (Neuron's too) compiles this prefill, and it samples one row once.
     probs = process_logits(last_logits, sampling.temperature, sampling.top_k, sampling.top_p, allow_cond=False)
     step0 = jnp.zeros((B,), jnp.int32)
     first = sample(probs, uniforms(sampling.seed, step0, ())).astype(jnp.int32)
     state = DecodeState(
-        cache=cache._replace(lengths=prompt_lens.astype(jnp.int32)),
+        cache=cache,
         last_token=first,
-        out_tokens=jnp.full((B, buckets.max_new), -1, jnp.int32),
+        out_tokens=jnp.full((B, max_new), -1, jnp.int32),
         num_new=jnp.zeros((B,), jnp.int32),
         finish=jnp.where(active, FINISH_RUNNING, FINISH_LENGTH).astype(jnp.int32),
         step=step0 + 1,
     )
-    state = emit(state, first[:, None], jnp.ones((B,), jnp.int32), sampling)
-    return state, feats
+    return emit(state, first[:, None], jnp.ones((B,), jnp.int32), sampling)
+
+
+def prefill_after_prefix(params: dict, config: LlamaConfig, prefix: KVCache, suffix: jax.Array,
+                         suffix_lens: jax.Array, active: jax.Array, sampling: SamplingArrays, max_new: int,
+                         features: tuple = ()):
+    """Prefill prompts that all begin with the same prefix, whose KV is computed once: prefix (batch 1,
+    lengths [1] = Lp, capacity >= Lp), suffix [B, S] right-padded (lengths [B] >= 1). Only the suffix tokens are
+    run. The returned state's cache holds Lp + S slots (the caller places it into a larger one); features
+    [B, S, F] cover the suffix positions only. Pure."""
+    B, S = suffix.shape
+    Lp = prefix.lengths[0]
+    n = prefix.k[0].shape[2]
+    grow = lambda a: jnp.broadcast_to(jnp.pad(a, ((0, 0), (0, 0), (0, S), (0, 0))), (B,) + a.shape[1:2]
+                                      + (n + S,) + a.shape[3:])
+    cache = KVCache(tuple(map(grow, prefix.k)), tuple(map(grow, prefix.v)), jnp.full((B,), Lp, jnp.int32))
+    positions = Lp + jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
+    out = forward(params, config, suffix, positions, cache, logit_positions=(suffix_lens - 1)[:, None],
+                  hidden_layers=feature_layers(features))
+    feats = target_features(out, features) if features else None
+    cache = out.cache._replace(lengths=(Lp + suffix_lens).astype(jnp.int32))
+    return first_token_state(cache, out.logits[:, 0], active, sampling, max_new), feats
 
 
 def _prefill_rows(params: dict, config: LlamaConfig, cache: KVCache, prompts: jax.Array, prompt_lens: jax.Array,

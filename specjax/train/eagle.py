@@ -100,16 +100,24 @@ def _shift(a: jax.Array, by: int, fill=0) -> jax.Array:
     return jnp.concatenate([a[:, by:], pad], axis=1)
 
 
+LOSSES = ("kl", "tv", "hybrid")
+
+
 def step_losses(train: dict, frozen: dict, cfg: HeadConfig, batch: dict, unroll: int, ce_weight: float,
-                reg_weight: float):
-    """Per unroll step (loss [U], ce [U], reg [U], top1 [U], count [U]) summed over the batch's positions.
+                reg_weight: float, loss_kind: str = "kl"):
+    """Per unroll step (loss [U], ce [U], tv [U], reg [U], top1 [U], count [U]) summed over the batch's positions.
+
+    loss_kind: the distribution-matching term. "kl": soft cross-entropy against the target's top-k (its KL up to
+    a constant); "tv": total variation 1 - sum_k min(p_k, q_k), which is 1 - the acceptance probability of a
+    one-token draft (Leviathan et al.), so it optimises acceptance itself; "hybrid": their sum (KL keeps the
+    gradient alive where TV is flat, far from the target).
 
     batch: tokens [B, T], feats [B, T, F], soft_idx/soft_p [B, T, K], greedy [B, T], mask [B, T], and for eagle
     final [B, T, H] (the regression targets). frozen: embed [V, H] and the LM head the logits use (eagle: the
     target's, restricted to the loss vocabulary as "lm_head" [H, Vo]; eagle3: unused).
     """
     hs = unrolled_hidden(train, cfg, frozen["embed"], batch["tokens"], batch["feats"].astype(jnp.float32), unroll)
-    out = {k: [] for k in ("loss", "ce", "reg", "top1", "count")}
+    out = {k: [] for k in ("loss", "ce", "tv", "reg", "top1", "count")}
     for j in range(unroll):
         h = hs[j]
         m = _shift(batch["mask"], 1 + j, False)
@@ -118,40 +126,45 @@ def step_losses(train: dict, frozen: dict, cfg: HeadConfig, batch: dict, unroll:
         logq = jax.nn.log_softmax(logits, axis=-1)
         sidx = _shift(batch["soft_idx"], 1 + j)
         sp = _shift(batch["soft_p"], 1 + j)
-        ce = -jnp.sum(sp * jnp.take_along_axis(logq, sidx, axis=-1), axis=-1)
+        logq_k = jnp.take_along_axis(logq, sidx, axis=-1)
+        ce = -jnp.sum(sp * logq_k, axis=-1)
+        tv = 1.0 - jnp.sum(jnp.minimum(sp, jnp.exp(logq_k)), axis=-1)
+        term = {"kl": ce, "tv": tv, "hybrid": ce + tv}[loss_kind]
         g = _shift(batch["greedy"], 1 + j, -1)
         top1 = (jnp.argmax(logits, axis=-1) == g) & m
-        loss = ce
+        loss = term
         reg = jnp.zeros_like(ce)
         if cfg.kind == "eagle":
             d = h - _shift(batch["final"], 1 + j).astype(jnp.float32)
             ad = jnp.abs(d)
             reg = jnp.mean(jnp.where(ad < 1.0, 0.5 * d * d, ad - 0.5), axis=-1)
-            loss = reg_weight * reg + ce_weight * ce
+            loss = reg_weight * reg + ce_weight * term
         out["loss"].append(jnp.sum(loss * mf))
         out["ce"].append(jnp.sum(ce * mf))
+        out["tv"].append(jnp.sum(tv * mf))
         out["reg"].append(jnp.sum(reg * mf))
         out["top1"].append(jnp.sum(top1))
         out["count"].append(jnp.sum(mf))
     return {k: jnp.stack(v) for k, v in out.items()}
 
 
-def total_loss(train, frozen, cfg, batch, unroll, ce_weight, reg_weight, step_decay):
-    s = step_losses(train, frozen, cfg, batch, unroll, ce_weight, reg_weight)
+def total_loss(train, frozen, cfg, batch, unroll, ce_weight, reg_weight, step_decay, loss_kind="kl"):
+    s = step_losses(train, frozen, cfg, batch, unroll, ce_weight, reg_weight, loss_kind)
     w = jnp.asarray([step_decay ** j for j in range(unroll)], jnp.float32)
     per_step = s["loss"] / jnp.maximum(s["count"], 1.0)
     return jnp.sum(w * per_step) / jnp.sum(w), s
 
 
 def update(train, opt_state, frozen, batch, *, cfg: HeadConfig, optimizer, unroll: int, ce_weight: float,
-           reg_weight: float, step_decay: float):
+           reg_weight: float, step_decay: float, loss_kind: str = "kl"):
     """One AdamW step (pure): (train params, optimizer state, per-unroll-step sums of `step_losses`)."""
     return apply_gradients(total_loss, optimizer, train, opt_state, frozen, cfg, batch, unroll, ce_weight, reg_weight,
-                           step_decay)
+                           step_decay, loss_kind)
 
 
 # The same step jitted on its own (params and optimizer state donated), for callers outside `fit`.
-train_step = jax.jit(update, static_argnames=("cfg", "optimizer", "unroll", "ce_weight", "reg_weight", "step_decay"),
+train_step = jax.jit(update, static_argnames=("cfg", "optimizer", "unroll", "ce_weight", "reg_weight", "step_decay",
+                                             "loss_kind"),
                      donate_argnums=(0, 1))
 
 
@@ -239,7 +252,7 @@ def evaluate(train, frozen_eval, cfg, arrays, feats, targets, rows, unroll, batc
 # ============================================================================================ run
 _RUN_KEYS = ("kind", "data", "target", "steps", "batch", "bucket", "lr", "warmup", "weight_decay", "clip", "unroll",
              "init_layer", "draft_vocab", "loss_vocab", "feature_layers", "ce_weight", "reg_weight", "step_decay",
-             "seed", "max_len")
+             "seed", "max_len", "corpus", "loss", "features")
 
 
 def train(args) -> dict:
@@ -249,9 +262,12 @@ def train(args) -> dict:
     from specjax.train.data import load_dataset
 
     run = {k: getattr(args, k) for k in _RUN_KEYS}
-    run["data"] = os.path.abspath(run["data"])
+    run["data"] = os.path.abspath(run["data"]) if run["data"] else None
+    run["corpus"] = [os.path.abspath(c) for c in run["corpus"] or ()]
     run["feature_layers"] = list(run["feature_layers"] or ())
     check_run(args.out, run, HeadTrainError)
+    if args.corpus:
+        return train_on_corpus(args)
 
     t_start = time.perf_counter()
     arrays, meta = load_dataset(args.data)
@@ -317,7 +333,7 @@ def train(args) -> dict:
         return {"vocab": "full" if final or fz is frozen_eval else "loss", **ev}
 
     step = functools.partial(update, cfg=cfg, optimizer=optimizer, unroll=args.unroll, ce_weight=args.ce_weight,
-                             reg_weight=args.reg_weight, step_decay=args.step_decay)
+                             reg_weight=args.reg_weight, step_decay=args.step_decay, loss_kind=args.loss)
     res = fit(step, params, optimizer, schedule, frozen, batch_at, out=args.out, steps=args.steps,
               checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, record=record, evaluate=run_eval,
               describe=lambda ev: f"held-out top1 {[round(a, 3) for a in ev['top1']]} "
@@ -340,6 +356,144 @@ def train(args) -> dict:
                 "heldout_top1": final_eval["top1"] if final_eval else None,
                 "heldout_alpha": final_eval["alpha"] if final_eval else None}
     save_head(export, cfg, jax.device_get(params), meta=meta_out)
+    plot_curves(res.history, os.path.join(export, "training_curve.png"), args.kind)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def _mesh(n: int):
+    """A 1-D data-parallel mesh over the first n devices (None for n <= 1)."""
+    if n <= 1:
+        return None
+    devs = jax.devices()
+    if len(devs) < n:
+        raise HeadTrainError(f"--mesh {n} needs {n} devices, this process has {len(devs)} (on a CPU, set "
+                             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting)")
+    return jax.sharding.Mesh(np.asarray(devs[:n]), ("data",))
+
+
+def train_on_corpus(args) -> dict:
+    """`train` over token shards (`--corpus`): streamed batches, features recorded or computed online, the
+    target's soft targets computed on device, optionally data parallel over a device mesh."""
+    from jax.sharding import NamedSharding, PartitionSpec as PS
+
+    from specjax.heads.eagle_io import save_head
+    from specjax.models.loading import load_model
+    from specjax.train.corpus import (CorpusBatches, count_tokens, device_targets, t2o_table,
+                                      vocab_from_counts)
+    from specjax.train.shards import open_corpus, target_fingerprint, tokenizer_fingerprint
+
+    target = load_model(args.target, "float32")
+    tcfg, tparams, tok = target.config, target.params, target.tokenizer
+    corpora = open_corpus(args.corpus, tokenizer_sha=tokenizer_fingerprint(tok),
+                          target_sha=target_fingerprint(tcfg, tparams))
+    V, H = tcfg.vocab_size, tcfg.hidden_size
+    layers = tuple(args.feature_layers or default_eagle3_layers(tcfg.num_layers))
+    recorded = all(c.feature_width for c in corpora)
+    online = args.features == "online" or (args.features == "auto" and not recorded)
+    if not online:
+        for c in corpora:
+            want = [str(x) for x in ("final",) + layers]
+            if c.manifest.get("features") != want:
+                raise HeadTrainError(f"{c.root}: its recorded features are {c.manifest.get('features')}, this run "
+                                     f"needs {want}; use --features online or the corpus's layers")
+    always = sorted({0, 1, 2, *tok.stop_token_ids})
+    counts = cached_array(os.path.join(args.out, "token_counts.npy"), lambda: count_tokens(corpora, V, "train"))
+    size = args.draft_vocab if args.kind == "eagle3" else (args.loss_vocab or V)
+    vocab = vocab_from_counts(counts, min(size, V), always)
+    cfg = head_config(tcfg, args.kind, draft_vocab_size=vocab.size if args.kind == "eagle3" else 0,
+                      feature_layers=layers if args.kind == "eagle3" else None)
+    params = init_from_target(cfg, tparams, args.init_layer, draft_ids=vocab if args.kind == "eagle3" else None)
+    draft_ids = params.pop("draft_ids", None)
+    embed = tparams["embed"]
+    full_head = tparams["lm_head"] if "lm_head" in tparams else embed.T
+    t2o = jnp.asarray(t2o_table(V, None if vocab.size == V else vocab))
+    t2o_full = jnp.asarray(t2o_table(V, None))
+    if args.kind == "eagle":
+        frozen = {"embed": embed, "lm_head": jnp.take(full_head, jnp.asarray(vocab), axis=1)}
+        frozen_eval, t2o_eval = {"embed": embed, "lm_head": full_head}, t2o_full
+    else:
+        frozen = frozen_eval = {"embed": embed}
+        t2o_eval = t2o
+    mesh = _mesh(args.mesh)
+    if mesh is not None and args.batch % args.mesh:
+        raise HeadTrainError(f"--batch {args.batch} must be a multiple of --mesh {args.mesh}")
+    put_batch = (lambda b: b) if mesh is None else (lambda b: jax.device_put(b, NamedSharding(mesh, PS("data"))))
+    if mesh is not None:
+        rep = NamedSharding(mesh, PS())
+        params, frozen, frozen_eval, tparams = jax.device_put((params, frozen, frozen_eval, tparams), rep)
+    loader = CorpusBatches(corpora, batch=args.batch, bucket=args.bucket, max_len=args.max_len or 0, seed=args.seed,
+                           split="train", features=not online)
+
+    def head_batch(hb: dict, table) -> dict:
+        hb = put_batch({k: v for k, v in hb.items() if k != "temperature"})
+        d = device_targets(tparams, tcfg, hb, table, layers=layers, top_k=16, online=online)
+        out = {k: d[k] for k in ("tokens", "soft_idx", "soft_p", "greedy", "mask")}
+        out["feats"] = d["final"] if args.kind == "eagle" else d["layers"]
+        if args.kind == "eagle":
+            out["final"] = d["final"]
+        return out
+
+    tokens_seen = [0]
+
+    def batch_at(step):
+        hb = loader.batch_at(step)
+        tokens_seen[0] += int(hb["length"].sum())
+        return head_batch(hb, t2o)
+
+    def record(s):
+        cnt = np.maximum(s["count"], 1)
+        return {"loss": float(np.sum(s["loss"]) / np.sum(cnt)), "ce": (s["ce"] / cnt).tolist(),
+                "tv": (s["tv"] / cnt).tolist(), "top1": (s["top1"] / cnt).tolist()}
+
+    def run_eval(p, step, final):
+        held = CorpusBatches(corpora, batch=args.eval_batch, bucket=args.bucket, max_len=args.max_len or 0,
+                             seed=0, split="heldout", features=not online)
+        matches, valids = [], []
+        it = held._epoch(0)
+        for _, hb in zip(range(args.eval_batches), it):
+            hb = dict(hb, length=np.where(hb["temperature"] == 0, hb["length"], 0))  # greedy answers only
+            fz, tb = (frozen_eval, t2o_eval) if final else (frozen, t2o)
+            m, v, _ = jax.device_get(eval_matches(p, fz, cfg, head_batch(hb, tb), args.eval_unroll))
+            matches.append(m.reshape(m.shape[0], -1))
+            valids.append(v.reshape(v.shape[0], -1))
+        if not matches:
+            return None
+        st = chain_stats(np.concatenate(matches, 1)[:, None], np.concatenate(valids, 1)[:, None])
+        return {"vocab": "full" if final and args.kind == "eagle" else "head", **st,
+                "positions": int(sum(v[0].sum() for v in valids))}
+
+    optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
+    step = functools.partial(update, cfg=cfg, optimizer=optimizer, unroll=args.unroll, ce_weight=args.ce_weight,
+                             reg_weight=args.reg_weight, step_decay=args.step_decay, loss_kind=args.loss)
+    res = fit(step, params, optimizer, schedule, frozen, batch_at, out=args.out, steps=args.steps,
+              checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, record=record, evaluate=run_eval,
+              describe=lambda ev: f"held-out top1 {[round(a, 3) for a in ev['top1']]} "
+                                  f"alpha {[round(a, 3) for a in ev['alpha']]} tau(chain) {ev['tau_chain']:.2f}",
+              show=("loss", "top1"), progress=args.progress, desc=f"train {args.kind}", lr=args.lr,
+              error=HeadTrainError)
+    final_eval = last_eval(res.history)
+    trains = split_history(res.history)[0]
+    secs = res.seconds
+    totals = [c.totals() for c in corpora]
+    summary = {
+        "kind": args.kind, "steps": args.steps, "loss": args.loss, "features": "online" if online else "recorded",
+        "mesh": args.mesh, "corpus": {c.root: t for c, t in zip(corpora, totals)}, "vocab": int(vocab.size),
+        "feature_layers": list(layers), "final_train_loss": train_mean(res.history, "loss"),
+        "final_train_top1": train_mean(res.history, "top1"),
+        "train_seconds": round(trains[-1]["seconds"], 1) if trains else 0.0,
+        "train_tokens_per_s_this_run": round(tokens_seen[0] / secs, 1) if secs > 0 else None,
+        "heldout": final_eval,
+    }
+    export = args.export or os.path.join(args.out, "head")
+    params = jax.device_get(res.params)
+    params = params if draft_ids is None else dict(params, draft_ids=draft_ids)
+    meta_out = {"target": args.target, "steps": args.steps, "unroll": args.unroll, "loss": args.loss,
+                "corpus": [os.path.basename(os.path.normpath(c)) for c in args.corpus],
+                "heldout_top1": final_eval["top1"] if final_eval else None,
+                "heldout_alpha": final_eval["alpha"] if final_eval else None}
+    save_head(export, cfg, params, meta=meta_out)
     plot_curves(res.history, os.path.join(export, "training_curve.png"), args.kind)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -389,7 +543,16 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Train an EAGLE-1/2 or EAGLE-3 head on self-distillation data; rerun "
                                              "the same command to resume.")
     ap.add_argument("--kind", choices=("eagle", "eagle3"), required=True)
-    ap.add_argument("--data", required=True, help=".npz from `python -m specjax.train.data`")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help=".npz from `python -m specjax.train.data` (small, in-memory)")
+    src.add_argument("--corpus", nargs="+", help="token-shard corpus directories from `python -m "
+                                                 "specjax.train.generate` (streamed), e.g. OUT/responses")
+    ap.add_argument("--features", choices=("auto", "recorded", "online"), default="auto",
+                    help="--corpus: target features from the corpus (recorded) or the target's forward in each step "
+                         "(online); auto = recorded when every corpus has them")
+    ap.add_argument("--loss", choices=LOSSES, default="kl", help="distribution-matching loss (see step_losses)")
+    ap.add_argument("--mesh", type=int, default=1, help="data-parallel devices (the batch is split over them)")
+    ap.add_argument("--eval-batches", type=int, default=32, help="--corpus: held-out batches per evaluation")
     ap.add_argument("--out", required=True, help="run directory (checkpoints, metrics, exported head)")
     ap.add_argument("--export", default=None, help="where to write the head (default OUT/head)")
     ap.add_argument("--features-cache", default=None,

@@ -1,0 +1,467 @@
+"""Distillation data at scale: the target writes its own prompts and answers them, with continuous batching.
+
+    python -m specjax.train.generate --out data/smollm2     # resumable; rerun the same command to continue
+
+Three phases, each a corpus of token shards (`specjax.train.shards`) under OUT:
+  instructions  Magpie-style: the chat template up to the user's turn plus a category opener, and the target
+                writes the user's message (`specjax.train.magpie`); cleaned and deduplicated into
+                OUT/prompts.jsonl together with the project's template prompts (`specjax.train.prompts`).
+  responses     every prompt answered greedily, and a share of the training prompts answered again, sampled.
+  long          prompts built from earlier answers: summarise or answer questions about a passage the target
+                wrote, and a second user turn after the first answer (multi-turn).
+
+The generator keeps `batch` slots decoding in one compiled loop; every `steps` decode steps the host takes the
+finished slots' results and prefills new requests into them, `refill` at a time. All shapes are fixed per phase
+(prompt bucket, output bucket, batch), so a phase compiles three programs once. With --features the target's
+features (final hidden state and the EAGLE-3 layers, bfloat16) at every position are written next to each shard:
+the forward passes compute them anyway.
+
+Requests are grouped in blocks (one shard each); a block's shard is written when all of its requests are done.
+Rerunning skips every block the manifest lists, so a crash loses at most the blocks in flight. The plan, the
+per-request seeds and the prompt set depend only on --seed and the sizes, so the same command gives the same
+corpus.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from specjax.train.shards import (FINISH_LENGTH, FINISH_STOP, CorpusWriter, Sequence_, ShardError, is_heldout,
+                                  open_corpus, iter_examples, target_fingerprint, tokenizer_fingerprint)
+
+
+class Request(NamedTuple):
+    id: int  # position in the phase's plan (blocks are id // block_size)
+    prompt_id: int
+    tokens: np.ndarray  # [P] int32, the chat-formatted prompt
+    temperature: float
+    max_new: int
+
+
+class GenShape(NamedTuple):
+    """Static shapes of one phase's programs."""
+
+    batch: int  # decoding slots
+    prompt_len: int  # prompt bucket (longer prompts are refused by the planner)
+    max_new: int  # output bucket (>= every request's max_new)
+    refill: int  # rows per refill prefill
+    steps: int  # decode steps per device call
+
+
+def request_seed(seed: int, phase: str, request: int) -> int:
+    """A request's sampling seed: a function of the run seed, the phase and the request id only."""
+    ss = np.random.SeedSequence([seed, sum(map(ord, phase)), request])
+    return int(ss.generate_state(1, np.uint32)[0])
+
+
+# ------------------------------------------------------------------------------------------------- device
+
+
+def _capacity(shape: GenShape) -> int:
+    # 16 spare slots: the shared prefix's cache is rounded up to 16 before the suffixes go after it.
+    return -(-(shape.prompt_len + shape.max_new + 16) // 64) * 64
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(config, shape: GenShape, features: tuple):
+    """The phase's jitted programs: the shared prefix's prefill (batch 1), the prefill of `refill` prompts'
+    suffixes after it (one compile per suffix bucket), insert into slots, and `steps` decode steps."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax import engine
+    from specjax.buckets import Buckets
+
+    cap = _capacity(shape)
+    bf16 = lambda f: f.astype(jnp.bfloat16) if features else None
+
+    def prefix_prefill(params, tokens, lens, sampling):  # tokens [1, n]
+        n = tokens.shape[1]
+        st, f = engine.prefill_core(params, config, Buckets(1, n, 16, n), tokens, lens, jnp.ones(1, bool), sampling,
+                                    features)
+        return st.cache, bf16(f)
+
+    def suffix_prefill(params, prefix, suffix, lens, active, sampling):
+        st, f = engine.prefill_after_prefix(params, config, prefix, suffix, lens, active, sampling, shape.max_new,
+                                            features)
+        return st, bf16(f)
+
+    def insert(state, rows, slots):
+        # slots [R] int32; a padding row's slot is B and is dropped. The rows' caches hold fewer slots than the
+        # state's: they go into the first ones (the rest is stale, past the row's length, never attended).
+        m = rows.cache.k[0].shape[2]
+        put = lambda a, r: a.at[slots].set(r, mode="drop")
+        put_kv = lambda a, r: a.at[slots, :, :m].set(r, mode="drop")
+        cache = engine.KVCache(tuple(map(put_kv, state.cache.k, rows.cache.k)),
+                               tuple(map(put_kv, state.cache.v, rows.cache.v)),
+                               put(state.cache.lengths, rows.cache.lengths))
+        rest = {f: put(getattr(state, f), getattr(rows, f)) for f in state._fields if f != "cache"}
+        return state._replace(cache=cache, **rest)
+
+    def empty(params, sampling):  # every slot free (finished), full capacity
+        B = sampling.temperature.shape[0]
+        P = min(16, shape.prompt_len)
+        st, _ = engine.prefill_core(params, config, Buckets(B, P, shape.max_new, cap), jnp.zeros((B, P), jnp.int32),
+                                    jnp.ones(B, jnp.int32), jnp.zeros(B, bool), sampling)
+        return st
+
+    def advance(params, state, sampling):
+        def body(st, _):
+            running = st.finish == engine.FINISH_RUNNING
+            st, f = engine.decode_step_features(params, config, st, sampling, features=features)
+            return st, (f[:, 0].astype(jnp.bfloat16) if features else None, running)
+
+        return jax.lax.scan(body, state, None, length=shape.steps)
+
+    return (jax.jit(prefix_prefill), jax.jit(suffix_prefill), jax.jit(insert, donate_argnums=(0,)), jax.jit(empty),
+            jax.jit(advance, donate_argnums=(1,)))
+
+
+def _bucket(n: int) -> int:
+    b = 16
+    while b < n:
+        b *= 2
+    return b
+
+
+def common_prefix(requests: Sequence[Request]) -> np.ndarray:
+    """The longest token prefix every request's prompt starts with, minus one token (each suffix keeps >= 1)."""
+    first = np.asarray(requests[0].tokens)
+    n = len(first) - 1
+    for r in requests[1:]:
+        t = np.asarray(r.tokens)
+        m = min(n, len(t) - 1)
+        neq = np.flatnonzero(first[:m] != t[:m])
+        n = int(neq[0]) if neq.size else m
+        if n == 0:
+            break
+    return first[:n]
+
+
+def _sampling(temps, seeds, max_new, stops):
+    import jax
+
+    from specjax.sampling import SamplingArrays
+
+    n = len(temps)
+    return jax.device_put(SamplingArrays(np.asarray(temps, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
+                                         np.asarray(seeds, np.uint32), np.asarray(max_new, np.int32),
+                                         np.asarray(stops, np.int32)))
+
+
+def generate(params, config, requests: Sequence[Request], shape: GenShape, stop_ids: Sequence[int], *, seed: int,
+             phase: str, on_done: Callable[[Sequence_], None], features: tuple = (), progress=None) -> dict:
+    """Run every request through the continuous-batching loop; `on_done(seq)` gets each finished one.
+
+    Returns {"sequences", "response_tokens", "seconds"}. progress: an object with update(n) and
+    set_postfix(**kw) (a tqdm bar), or None.
+    """
+    import jax
+
+    from specjax.engine import FINISH_RUNNING, FINISH_STOP as ENGINE_STOP
+
+    B, R, P = shape.batch, shape.refill, shape.prompt_len
+    stops = (list(stop_ids) + [-1] * 4)[:4]
+    prefix_prefill, suffix_prefill, insert, empty, advance = _programs(config, shape, tuple(features))
+    for r in requests:
+        if len(r.tokens) > P or len(r.tokens) < 1 or r.max_new > shape.max_new:
+            raise ShardError(f"request {r.id}: prompt of {len(r.tokens)} tokens / max_new {r.max_new} does not fit "
+                             f"the phase's buckets ({P} / {shape.max_new})")
+    if not requests:
+        return {"sequences": 0, "response_tokens": 0, "seconds": 0.0}
+    # Every prompt starts with the chat template's system turn: its KV (and features) are computed once.
+    pre = common_prefix(requests)
+    Lp = len(pre)
+    n = max(16, -(-Lp // 16) * 16)
+    ptoks = np.zeros((1, n), np.int32)
+    ptoks[0, :Lp] = pre
+    prefix, pfeat = prefix_prefill(params, ptoks, np.asarray([max(Lp, 1)], np.int32),
+                                   _sampling([0.0], [0], [1], [stops]))
+    if Lp == 0:  # nothing shared: an empty prefix
+        prefix = prefix._replace(lengths=np.zeros(1, np.int32))
+    pfeat = None if pfeat is None else np.asarray(jax.device_get(pfeat))[0, :Lp]
+    # Host mirror of the per-slot sampling values; slot_req[b] = index into requests, -1 = free.
+    temps, seeds, mnew = np.zeros(B, np.float32), np.zeros(B, np.uint32), np.ones(B, np.int32)
+    slot_req = np.full(B, -1, np.int64)
+    slot_feats: list[list[np.ndarray]] = [[] for _ in range(B)]
+    state = empty(params, _sampling(temps, seeds, mnew, [stops] * B))
+    nxt, made, done = 0, 0, 0
+    t0 = time.perf_counter()
+    while True:
+        free = np.flatnonzero(slot_req < 0)
+        while free.size and nxt < len(requests):
+            take = list(range(nxt, min(nxt + min(R, free.size), len(requests))))
+            nxt += len(take)
+            slots = np.full(R, B, np.int32)
+            slots[:len(take)] = free[:len(take)]
+            free = free[len(take):]
+            S = min(_bucket(max(len(requests[j].tokens) - Lp for j in take)), _capacity(shape) - n)
+            toks, lens = np.zeros((R, S), np.int32), np.ones(R, np.int32)
+            rt, rs, rm = np.zeros(R, np.float32), np.zeros(R, np.uint32), np.ones(R, np.int32)
+            for k, j in enumerate(take):
+                q = requests[j]
+                toks[k, :len(q.tokens) - Lp], lens[k] = q.tokens[Lp:], len(q.tokens) - Lp
+                rt[k], rs[k], rm[k] = q.temperature, request_seed(seed, phase, q.id), q.max_new
+            active = np.arange(R) < len(take)
+            rows, sf = suffix_prefill(params, prefix, toks, lens, active, _sampling(rt, rs, rm, [stops] * R))
+            state = insert(state, rows, slots)
+            sf = None if sf is None else np.asarray(jax.device_get(sf))
+            for k, j in enumerate(take):
+                b = slots[k]
+                slot_req[b] = j
+                temps[b], seeds[b], mnew[b] = rt[k], rs[k], rm[k]
+                slot_feats[b] = [pfeat, sf[k, :lens[k]]] if sf is not None else []
+        if not (slot_req >= 0).any():
+            break
+        state, (fs, running) = advance(params, state, _sampling(temps, seeds, mnew, [stops] * B))
+        finish, num_new = jax.device_get((state.finish, state.num_new))
+        if features:
+            fs, running = np.asarray(jax.device_get(fs)), np.asarray(jax.device_get(running))
+            for b in np.flatnonzero(slot_req >= 0):
+                slot_feats[b].append(fs[running[:, b], b])
+        ended = np.flatnonzero((slot_req >= 0) & (finish != FINISH_RUNNING))
+        if ended.size:
+            out = np.asarray(jax.device_get(state.out_tokens))
+            for b in ended:
+                q = requests[slot_req[b]]
+                resp = out[b, :num_new[b]]
+                f = None
+                if features:
+                    f = np.concatenate(slot_feats[b] + [np.zeros((1, slot_feats[b][0].shape[1]), slot_feats[b][0].dtype)])
+                on_done(Sequence_(q.id, q.prompt_id, np.asarray(q.tokens), resp, q.temperature,
+                                  FINISH_STOP if finish[b] == ENGINE_STOP else FINISH_LENGTH, f))
+                made += int(num_new[b])
+                done += 1
+                slot_req[b] = -1
+                slot_feats[b] = []
+            if progress is not None:
+                progress.update(int(ended.size))
+                progress.set_postfix(tok=made, tok_s=f"{made / (time.perf_counter() - t0):.0f}")
+    return {"sequences": done, "response_tokens": made, "seconds": time.perf_counter() - t0}
+
+
+
+def run_phase(params, config, tokenizer, out: str, phase: str, requests: Sequence[Request], shape: GenShape, *,
+              seed: int, header: dict, block: int, features: tuple = (), progress: bool = True) -> dict:
+    """Generate the blocks of `requests` the corpus OUT/phase does not hold yet. Returns the phase summary."""
+    feature_width = len(features) * config.hidden_size
+    writer = CorpusWriter(os.path.join(out, phase), dict(header, phase=phase, shape=shape._asdict(), block=block,
+                                                         requests=len(requests), feature_width=feature_width,
+                                                         features=list(map(str, features))))
+    done_blocks = writer.done_blocks
+    todo = [r for r in requests if r.id // block not in done_blocks]
+    need: dict[int, int] = {}
+    for r in todo:
+        need[r.id // block] = need.get(r.id // block, 0) + 1
+    pending: dict[int, list[Sequence_]] = {}
+
+    def on_done(seq: Sequence_):
+        b = seq.request // block
+        pending.setdefault(b, []).append(seq)
+        if len(pending[b]) == need[b]:
+            writer.add(b, pending.pop(b), config.vocab_size, feature_width)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), initial=len(requests) - len(todo), desc=phase, unit="seq", file=sys.stderr)
+    stats = generate(params, config, todo, shape, tokenizer.stop_token_ids, seed=seed, phase=phase, on_done=on_done,
+                     features=features, progress=bar)
+    if bar is not None:
+        bar.close()
+    if pending:
+        raise ShardError(f"{phase}: blocks {sorted(pending)} did not complete")
+    return stats
+
+
+# ------------------------------------------------------------------------------------------------- plans
+
+
+def chat_tokens(tokenizer, messages: list[dict]) -> np.ndarray:
+    return np.asarray(tokenizer.encode(tokenizer.apply_chat_template(messages)), np.int32)
+
+
+def instruction_requests(tokenizer, n: int, seed: int, max_new: int, prompt_len: int, temperature: float):
+    from specjax.train.magpie import plan_candidates, user_prefix
+
+    prefix = user_prefix(tokenizer)
+    cands = plan_candidates(n, seed)
+    reqs = []
+    for c in cands:
+        # The opener's trailing space stays out of the prompt: BPE words carry their leading space, and a prompt
+        # ending in a bare space pushes the target to words without one (digits, fragments).
+        toks = np.asarray(tokenizer.encode(prefix + c.opener.rstrip()), np.int32)[:prompt_len]
+        reqs.append(Request(c.id, c.id, toks, temperature, max_new))
+    return cands, reqs
+
+
+def build_prompt_file(tokenizer, out: str, cands) -> list[dict]:
+    """Clean and deduplicate the written instructions, add the template prompts; write OUT/prompts.jsonl."""
+    from specjax.train.magpie import clean, dedupe
+    from specjax.train.prompts import build_prompts
+
+    corpus = open_corpus(os.path.join(out, "instructions"), check_hashes=False)
+    texts = []
+    for ex in iter_examples(corpus, split="all", shuffle=False):
+        c = cands[ex.prompt_id]
+        resp = ex.tokens[ex.prompt_len:]
+        if resp.size == 0 or resp[-1] not in tokenizer.stop_token_ids:  # cut off: the message never ended
+            continue
+        if resp.max() >= tokenizer.vocab_size:  # ids of the model's padded vocabulary that are no text
+            continue
+        t = clean(c.opener.rstrip() + tokenizer.decode(resp.tolist()))
+        if t is not None:
+            texts.append((c.id, c.category, t))
+    # Template prompts first (ids from 10**6 so they never collide with candidate ids), then the written ones.
+    items = [(10 ** 6 + p.index, "template-" + p.category, p.text) for p in build_prompts()] + sorted(texts)
+    kept = dedupe(items)
+    rows = [{"id": i, "category": cat, "text": t, "heldout": is_heldout(i)} for i, cat, t in kept]
+    tmp = os.path.join(out, "prompts.jsonl.tmp")
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, os.path.join(out, "prompts.jsonl"))
+    return rows
+
+
+def read_prompt_file(out: str) -> list[dict]:
+    path = os.path.join(out, "prompts.jsonl")
+    if not os.path.isfile(path):
+        raise ShardError(f"{path} does not exist; run the instructions phase first")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def response_requests(tokenizer, prompts: list[dict], *, sampled_share: float, temperature: float, max_new: int,
+                      prompt_len: int, seed: int) -> list[Request]:
+    """Greedy answers to every prompt; a deterministic share of the training prompts also answered sampled."""
+    rng = np.random.default_rng([seed, 7])
+    extra = rng.random(len(prompts)) < sampled_share
+    reqs = []
+    for k, p in enumerate(prompts):
+        toks = chat_tokens(tokenizer, [{"role": "user", "content": p["text"]}])
+        if len(toks) > prompt_len:
+            continue
+        reqs.append(Request(len(reqs), p["id"], toks, 0.0, max_new))
+        if extra[k] and not p["heldout"]:
+            reqs.append(Request(len(reqs), p["id"], toks, temperature, max_new))
+    return reqs
+
+
+# ------------------------------------------------------------------------------------------------- measuring
+
+
+def matmul_flops(n: int = 2048, repeats: int = 5) -> float:
+    """This machine's float32 matmul rate in FLOP/s: the median of `repeats` [n, n] x [n, n] products."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return 2 * n ** 3 / float(np.median(ts))
+
+
+def compute_limit(params, flops: float) -> dict:
+    import jax
+
+    n = sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+    return {"parameters": n, "matmul_flops": flops, "limit_tokens_per_s": flops / (2 * n)}
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m specjax.train.generate", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="corpus directory (rerun with the same settings to resume)")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phases", default="instructions,responses",
+                    help="comma-separated: instructions, responses, long")
+    ap.add_argument("--candidates", type=int, default=32000, help="instructions to write (before cleaning)")
+    ap.add_argument("--instruction-tokens", type=int, default=64, help="max tokens of a written instruction")
+    ap.add_argument("--instruction-temperature", type=float, default=0.8)
+    ap.add_argument("--max-new", type=int, default=448, help="max response tokens")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt bucket of the responses phase")
+    ap.add_argument("--sampled-share", type=float, default=0.5,
+                    help="share of training prompts also answered sampled")
+    ap.add_argument("--temperature", type=float, default=1.0, help="temperature of the sampled answers")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--refill", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--block", type=int, default=1024, help="requests per shard")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N requests of each phase (for trials)")
+    ap.add_argument("--features", action="store_true",
+                    help="also record the target's features (final + EAGLE-3 layers, bfloat16) next to each shard")
+    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    from specjax.heads.eagle import default_eagle3_layers
+    from specjax.models.loading import load_model
+
+    t0 = time.perf_counter()
+    m = load_model(args.target, "float32")
+    cfg, params, tok = m.config, m.params, m.tokenizer
+    header = {"tokenizer": tokenizer_fingerprint(tok), "target": target_fingerprint(cfg, params),
+              "target_spec": args.target, "seed": args.seed, "vocab_size": cfg.vocab_size}
+    feats = ("final",) + tuple(default_eagle3_layers(cfg.num_layers)) if args.features else ()
+    limit = compute_limit(params, matmul_flops())
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = sorted(set(phases) - {"instructions", "responses", "long"})
+    if unknown:
+        raise SystemExit(f"unknown phases {unknown}; choose from instructions, responses, long")
+    summary: dict = {"compute_limit": limit, "phases": {}}
+    os.makedirs(args.out, exist_ok=True)
+    cut = (lambda r: r[:args.limit]) if args.limit else (lambda r: r)
+    if "instructions" in phases:
+        P = 64
+        cands, reqs = instruction_requests(tok, args.candidates, args.seed, args.instruction_tokens, P,
+                                           args.instruction_temperature)
+        shape = GenShape(args.batch, P, args.instruction_tokens, args.refill, args.steps)
+        st = run_phase(params, cfg, tok, args.out, "instructions", cut(reqs), shape, seed=args.seed,
+                       header=dict(header, candidates=args.candidates,
+                                                             temperature=args.instruction_temperature), block=args.block, progress=args.progress)
+        rows = build_prompt_file(tok, args.out, cands)
+        summary["phases"]["instructions"] = dict(st, prompts=len(rows),
+                                                 heldout_prompts=sum(r["heldout"] for r in rows))
+    if "responses" in phases:
+        prompts = read_prompt_file(args.out)
+        reqs = response_requests(tok, prompts, sampled_share=args.sampled_share, temperature=args.temperature,
+                                 max_new=args.max_new, prompt_len=args.prompt_len, seed=args.seed)
+        shape = GenShape(args.batch, args.prompt_len, args.max_new, args.refill, args.steps)
+        st = run_phase(params, cfg, tok, args.out, "responses", cut(reqs), shape, seed=args.seed,
+                       header=dict(header, prompts=len(prompts), sampled_share=args.sampled_share,
+                                   temperature=args.temperature), block=args.block, features=feats,
+                       progress=args.progress)
+        summary["phases"]["responses"] = st
+    for name, st in summary["phases"].items():
+        if st["seconds"] > 0 and st["response_tokens"]:
+            st["tokens_per_s"] = st["response_tokens"] / st["seconds"]
+            st["of_compute_limit"] = st["tokens_per_s"] / limit["limit_tokens_per_s"]
+    summary["corpus"] = {p: open_corpus(os.path.join(args.out, p), check_hashes=False)[0].totals()
+                         for p in ("instructions", "responses", "long") if os.path.isdir(os.path.join(args.out, p))}
+    summary["seconds"] = time.perf_counter() - t0
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Head training on token shards: the streaming loader, recorded and online features, the loss kinds, data
+parallelism over 8 simulated devices, and a SIGKILLed run that resumes to the uninterrupted result."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from helpers import save_hf_model, tiny_config, tiny_params
+from specjax.train import eagle as E
+from specjax.train import generate as G
+from specjax.train.corpus import CorpusBatches, coverage, count_tokens, device_targets, t2o_table
+from specjax.train.shards import ShardError, open_corpus
+
+CFG = tiny_config(num_layers=4, vocab_size=259, architecture="LlamaForCausalLM")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus-train")
+    model = save_hf_model(d / "model", CFG, tiny_params(CFG, seed=9))
+    G.main(["--out", str(d / "data"), "--target", model, "--candidates", "120", "--instruction-tokens", "20",
+            "--max-new", "32", "--prompt-len", "96", "--batch", "16", "--refill", "4", "--steps", "4", "--block", "32",
+            "--features", "--no-progress"])
+    return model, str(d / "data" / "responses")
+
+
+def _train_args(model, corpus, out, *extra):
+    return ["--kind", "eagle3", "--corpus", corpus, "--out", str(out), "--target", model, "--steps", "4",
+            "--batch", "8", "--bucket", "16", "--draft-vocab", "128", "--eval-every", "100", "--checkpoint-every", "2",
+            "--eval-batches", "2", "--unroll", "5", "--no-progress", *extra]
+
+
+def _train_losses(out):
+    recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return np.asarray([r["loss"] for r in recs if r["kind"] == "train"])
+
+
+def test_loader_is_deterministic_and_replays_after_a_jump(corpus):
+    _, root = corpus
+    cs = open_corpus(root)
+    a = CorpusBatches(cs, batch=4, bucket=16, max_len=64, seed=1, features=True)
+    first = [a.batch_at(k) for k in range(6)]
+    b = CorpusBatches(cs, batch=4, bucket=16, max_len=64, seed=1, features=True)
+    assert all(np.array_equal(b.batch_at(k)["tokens"], first[k]["tokens"]) for k in (3, 4, 1, 5))
+    for bt in first:
+        assert bt["tokens"].shape[1] % 16 == 0 and bt["tokens"].shape[1] <= 64
+        assert bt["feats"].shape[:2] == bt["tokens"].shape
+        for i, n in enumerate(bt["length"]):
+            assert not bt["tokens"][i, n:].any()
+    c = CorpusBatches(cs, batch=4, bucket=16, max_len=64, seed=2, features=False)
+    assert not np.array_equal(c.batch_at(0)["tokens"], first[0]["tokens"]) and "feats" not in c.batch_at(1)
+
+
+def test_recorded_features_give_the_online_targets(corpus):
+    from specjax.models.loading import load_model
+    from specjax.heads.eagle import default_eagle3_layers
+
+    model, root = corpus
+    m = load_model(model)
+    layers = tuple(default_eagle3_layers(CFG.num_layers))
+    hb = CorpusBatches(open_corpus(root), batch=4, bucket=16, max_len=64, seed=0, features=True).batch_at(0)
+    table = t2o_table(CFG.vocab_size, np.arange(0, CFG.vocab_size, 2, dtype=np.int32))
+    rec = device_targets(m.params, m.config, {k: v for k, v in hb.items() if k != "temperature"}, table,
+                         layers=layers, top_k=8, online=False)
+    onl = device_targets(m.params, m.config, {k: v for k, v in hb.items() if k not in ("temperature", "feats")},
+                         table, layers=layers, top_k=8, online=True)
+    mask = np.asarray(rec["mask"])
+    assert mask.any() and np.array_equal(mask, np.asarray(onl["mask"]))
+    np.testing.assert_allclose(np.asarray(rec["layers"])[mask], np.asarray(onl["layers"])[mask], atol=3e-2, rtol=3e-2)
+    agree = np.mean(np.asarray(rec["greedy"])[mask] == np.asarray(onl["greedy"])[mask])
+    assert agree > 0.97
+    # Outside the head vocabulary (odd ids) nothing is a target; inside, the top-k mass sums to one.
+    p = np.asarray(rec["soft_p"])[mask]
+    np.testing.assert_allclose(p.sum(-1), 1.0, atol=1e-5)
+    assert np.all(np.asarray(rec["greedy"])[mask] < CFG.vocab_size // 2 + 1)
+
+
+def test_draft_vocabulary_coverage_grows_with_size(corpus):
+    _, root = corpus
+    cs = open_corpus(root)
+    tr, ho = count_tokens(cs, CFG.vocab_size, "train"), count_tokens(cs, CFG.vocab_size, "heldout")
+    cov = coverage(tr, ho if ho.sum() else tr, [16, 64, 259], always=[0, 1, 2])
+    assert cov[16] <= cov[64] <= cov[259] == 1.0
+
+
+@pytest.mark.parametrize("loss", ["tv", "hybrid"])
+def test_online_and_recorded_training_agree_and_losses_run(corpus, tmp_path, loss):
+    model, root = corpus
+    s_rec = E.main(_train_args(model, root, tmp_path / "rec", "--loss", loss, "--features", "recorded"))
+    s_onl = E.main(_train_args(model, root, tmp_path / "onl", "--loss", loss, "--features", "online"))
+    assert s_rec["features"] == "recorded" and s_onl["features"] == "online"
+    np.testing.assert_allclose(_train_losses(tmp_path / "rec"), _train_losses(tmp_path / "onl"), rtol=3e-2)
+    assert s_rec["heldout"]["top1"] and len(s_rec["heldout"]["alpha"]) == 5
+    assert s_rec["train_tokens_per_s_this_run"] > 0
+
+
+def test_training_refuses_another_tokenizers_corpus(corpus, tmp_path):
+    model, root = corpus
+    path = os.path.join(root, "manifest.json")
+    man = json.load(open(path))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in os.listdir(root):
+        if name.endswith(".npz"):
+            os.symlink(os.path.join(root, name), bad / name)
+    json.dump(dict(man, tokenizer="0" * 64), open(bad / "manifest.json", "w"))
+    with pytest.raises(ShardError, match="manifest.json: made with another tokenizer"):
+        E.main(_train_args(model, str(bad), tmp_path / "run"))
+
+
+def _subprocess_env(devices: int = 1) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+@pytest.mark.slow
+def test_data_parallel_over_8_devices_equals_one_device(corpus, tmp_path):
+    model, root = corpus
+    for mesh in (1, 8):
+        cmd = [sys.executable, "-m", "specjax.train.eagle", *_train_args(model, root, tmp_path / f"m{mesh}",
+                                                                          "--mesh", str(mesh))]
+        subprocess.run(cmd, check=True, env=_subprocess_env(8), capture_output=True, cwd=ROOT)
+    np.testing.assert_allclose(_train_losses(tmp_path / "m1"), _train_losses(tmp_path / "m8"), rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_ends_where_an_uninterrupted_run_ends(corpus, tmp_path):
+    from safetensors.numpy import load_file
+
+    model, root = corpus
+    args = lambda out: [sys.executable, "-m", "specjax.train.eagle",
+                        *_train_args(model, root, out, "--steps", "10", "--checkpoint-every", "3")]
+    subprocess.run(args(tmp_path / "whole"), check=True, env=_subprocess_env(), capture_output=True, cwd=ROOT)
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(args(cut), env=_subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=ROOT)
+    deadline = time.time() + 300
+    ckpt = cut / "checkpoints"
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt.is_dir() and any(n.isdigit() and int(n) >= 3 for n in os.listdir(ckpt)):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (cut / "head").exists()
+    subprocess.run(args(cut), check=True, env=_subprocess_env(), capture_output=True, cwd=ROOT)
+    a = load_file(str(tmp_path / "whole" / "head" / "model.safetensors"))
+    b = load_file(str(cut / "head" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k].astype(np.float32), b[k].astype(np.float32), rtol=0, atol=0, err_msg=k)
+    np.testing.assert_allclose(_train_losses(tmp_path / "whole"), _train_losses(cut), rtol=1e-6)
