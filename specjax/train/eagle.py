@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import time
@@ -257,7 +258,6 @@ _RUN_KEYS = ("kind", "data", "target", "steps", "batch", "bucket", "lr", "warmup
 
 def train(args) -> dict:
     """The training run described by the parsed arguments (see `parse_args`). Returns the final summary."""
-    from specjax.heads.eagle_io import save_head
     from specjax.models.loading import load_model
     from specjax.train.data import load_dataset
 
@@ -265,6 +265,13 @@ def train(args) -> dict:
     run["data"] = os.path.abspath(run["data"]) if run["data"] else None
     run["corpus"] = [os.path.abspath(c) for c in run["corpus"] or ()]
     run["feature_layers"] = list(run["feature_layers"] or ())
+    if args.corpus:
+        # The shards themselves, not only their directory: a corpus that grew since the run started would
+        # change the batch stream under a resumed run.
+        from specjax.train.shards import read_manifest
+
+        run["corpus_shards"] = [hashlib.sha256("".join(e["sha256"] for e in read_manifest(c)["shards"]).encode())
+                                .hexdigest()[:16] for c in args.corpus]
     check_run(args.out, run, HeadTrainError)
     if args.corpus:
         return train_on_corpus(args)
@@ -308,7 +315,6 @@ def train(args) -> dict:
         targets = targets_eval = position_targets(arrays, V, vocab)
     del target
 
-    optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
     L = arrays["tokens"].shape[1]
     lengths = arrays["length"][train_rows]
     per_epoch = len(make_batches(lengths, args.batch, args.bucket, args.seed, 0, L))
@@ -332,14 +338,7 @@ def train(args) -> dict:
         ev = evaluate(p, fz, cfg, arrays, feats, tg, eval_rows, args.eval_unroll, args.eval_batch, args.bucket)
         return {"vocab": "full" if final or fz is frozen_eval else "loss", **ev}
 
-    step = functools.partial(update, cfg=cfg, optimizer=optimizer, unroll=args.unroll, ce_weight=args.ce_weight,
-                             reg_weight=args.reg_weight, step_decay=args.step_decay, loss_kind=args.loss)
-    res = fit(step, params, optimizer, schedule, frozen, batch_at, out=args.out, steps=args.steps,
-              checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, record=record, evaluate=run_eval,
-              describe=lambda ev: f"held-out top1 {[round(a, 3) for a in ev['top1']]} "
-                                  f"alpha {[round(a, 3) for a in ev['alpha']]} tau(chain) {ev['tau_chain']:.2f}",
-              show=("loss", "top1"), progress=args.progress, desc=f"train {args.kind}", lr=args.lr,
-              error=HeadTrainError)
+    res = _fit(args, cfg, params, frozen, batch_at, record, run_eval)
 
     final_eval = last_eval(res.history)
     trains = split_history(res.history)[0]
@@ -350,12 +349,33 @@ def train(args) -> dict:
         "train_seconds": round(trains[-1]["seconds"], 1) if trains else 0.0,
         "feature_seconds_this_run": round(t_feats, 1), "heldout": final_eval,
     }
+    return _export(args, cfg, res, draft_ids, final_eval, summary)
+
+
+def _fit(args, cfg: HeadConfig, params, frozen, batch_at, record, run_eval):
+    """The one training loop (`loop.fit`) with this trainer's step, whichever data source feeds it."""
+    optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
+    step = functools.partial(update, cfg=cfg, optimizer=optimizer, unroll=args.unroll, ce_weight=args.ce_weight,
+                             reg_weight=args.reg_weight, step_decay=args.step_decay, loss_kind=args.loss)
+    return fit(step, params, optimizer, schedule, frozen, batch_at, out=args.out, steps=args.steps,
+               checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, record=record, evaluate=run_eval,
+               describe=lambda ev: f"held-out top1 {[round(a, 3) for a in ev['top1']]} "
+                                   f"alpha {[round(a, 3) for a in ev['alpha']]} tau(chain) {ev['tau_chain']:.2f}",
+               show=("loss", "top1"), progress=args.progress, desc=f"train {args.kind}", lr=args.lr,
+               error=HeadTrainError)
+
+
+def _export(args, cfg: HeadConfig, res, draft_ids, final_eval, summary: dict, **meta) -> dict:
+    """Write the trained head (OUT/head or --export), its curves and OUT/summary.json; return the summary."""
+    from specjax.heads.eagle_io import save_head
+
     export = args.export or os.path.join(args.out, "head")
-    params = res.params if draft_ids is None else dict(res.params, draft_ids=draft_ids)
-    meta_out = {"target": args.target, "steps": args.steps, "unroll": args.unroll,
+    params = jax.device_get(res.params)
+    params = params if draft_ids is None else dict(params, draft_ids=draft_ids)
+    meta_out = {"target": args.target, "steps": args.steps, "unroll": args.unroll, "loss": args.loss, **meta,
                 "heldout_top1": final_eval["top1"] if final_eval else None,
                 "heldout_alpha": final_eval["alpha"] if final_eval else None}
-    save_head(export, cfg, jax.device_get(params), meta=meta_out)
+    save_head(export, cfg, params, meta=meta_out)
     plot_curves(res.history, os.path.join(export, "training_curve.png"), args.kind)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -378,7 +398,6 @@ def train_on_corpus(args) -> dict:
     target's soft targets computed on device, optionally data parallel over a device mesh."""
     from jax.sharding import NamedSharding, PartitionSpec as PS
 
-    from specjax.heads.eagle_io import save_head
     from specjax.models.loading import load_model
     from specjax.train.corpus import (CorpusBatches, count_tokens, device_targets, t2o_table,
                                       vocab_from_counts)
@@ -388,7 +407,7 @@ def train_on_corpus(args) -> dict:
     tcfg, tparams, tok = target.config, target.params, target.tokenizer
     corpora = open_corpus(args.corpus, tokenizer_sha=tokenizer_fingerprint(tok),
                           target_sha=target_fingerprint(tcfg, tparams))
-    V, H = tcfg.vocab_size, tcfg.hidden_size
+    V = tcfg.vocab_size
     layers = tuple(args.feature_layers or default_eagle3_layers(tcfg.num_layers))
     recorded = all(c.feature_width for c in corpora)
     online = args.features == "online" or (args.features == "auto" and not recorded)
@@ -464,15 +483,7 @@ def train_on_corpus(args) -> dict:
         return {"vocab": "full" if final and args.kind == "eagle" else "head", **st,
                 "positions": int(sum(v[0].sum() for v in valids))}
 
-    optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
-    step = functools.partial(update, cfg=cfg, optimizer=optimizer, unroll=args.unroll, ce_weight=args.ce_weight,
-                             reg_weight=args.reg_weight, step_decay=args.step_decay, loss_kind=args.loss)
-    res = fit(step, params, optimizer, schedule, frozen, batch_at, out=args.out, steps=args.steps,
-              checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, record=record, evaluate=run_eval,
-              describe=lambda ev: f"held-out top1 {[round(a, 3) for a in ev['top1']]} "
-                                  f"alpha {[round(a, 3) for a in ev['alpha']]} tau(chain) {ev['tau_chain']:.2f}",
-              show=("loss", "top1"), progress=args.progress, desc=f"train {args.kind}", lr=args.lr,
-              error=HeadTrainError)
+    res = _fit(args, cfg, params, frozen, batch_at, record, run_eval)
     final_eval = last_eval(res.history)
     trains = split_history(res.history)[0]
     secs = res.seconds
@@ -486,18 +497,8 @@ def train_on_corpus(args) -> dict:
         "train_tokens_per_s_this_run": round(tokens_seen[0] / secs, 1) if secs > 0 else None,
         "heldout": final_eval,
     }
-    export = args.export or os.path.join(args.out, "head")
-    params = jax.device_get(res.params)
-    params = params if draft_ids is None else dict(params, draft_ids=draft_ids)
-    meta_out = {"target": args.target, "steps": args.steps, "unroll": args.unroll, "loss": args.loss,
-                "corpus": [os.path.basename(os.path.normpath(c)) for c in args.corpus],
-                "heldout_top1": final_eval["top1"] if final_eval else None,
-                "heldout_alpha": final_eval["alpha"] if final_eval else None}
-    save_head(export, cfg, params, meta=meta_out)
-    plot_curves(res.history, os.path.join(export, "training_curve.png"), args.kind)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    return summary
+    return _export(args, cfg, res, draft_ids, final_eval, summary,
+                   corpus=[os.path.basename(os.path.normpath(c)) for c in args.corpus])
 
 
 def plot_curves(history: list[dict], path: str, kind: str) -> None:

@@ -24,6 +24,7 @@ corpus.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -234,8 +235,9 @@ def generate(params, config, requests: Sequence[Request], shape: GenShape, stop_
                 q = requests[slot_req[b]]
                 resp = out[b, :num_new[b]]
                 f = None
-                if features:
-                    f = np.concatenate(slot_feats[b] + [np.zeros((1, slot_feats[b][0].shape[1]), slot_feats[b][0].dtype)])
+                if features:  # the last token was never fed, so its row stays zero
+                    last = np.zeros((1, slot_feats[b][0].shape[1]), slot_feats[b][0].dtype)
+                    f = np.concatenate(slot_feats[b] + [last])
                 on_done(Sequence_(q.id, q.prompt_id, np.asarray(q.tokens), resp, q.temperature,
                                   FINISH_STOP if finish[b] == ENGINE_STOP else FINISH_LENGTH, f))
                 made += int(num_new[b])
@@ -246,7 +248,6 @@ def generate(params, config, requests: Sequence[Request], shape: GenShape, stop_
                 progress.update(int(ended.size))
                 progress.set_postfix(tok=made, tok_s=f"{made / (time.perf_counter() - t0):.0f}")
     return {"sequences": done, "response_tokens": made, "seconds": time.perf_counter() - t0}
-
 
 
 def run_phase(params, config, tokenizer, out: str, phase: str, requests: Sequence[Request], shape: GenShape, *,
@@ -262,12 +263,21 @@ def run_phase(params, config, tokenizer, out: str, phase: str, requests: Sequenc
     for r in todo:
         need[r.id // block] = need.get(r.id // block, 0) + 1
     pending: dict[int, list[Sequence_]] = {}
+    t0, made = time.perf_counter(), [0]
+    log_path = os.path.join(out, phase, "runs.jsonl")
 
     def on_done(seq: Sequence_):
         b = seq.request // block
         pending.setdefault(b, []).append(seq)
+        made[0] += seq.response.size
         if len(pending[b]) == need[b]:
-            writer.add(b, pending.pop(b), config.vocab_size, feature_width)
+            entry = writer.add(b, pending.pop(b), config.vocab_size, feature_width)
+            # One line per shard: what this invocation has made so far, so a run stopped before its summary
+            # still tells its generation rate.
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"block": b, "unix_time": round(time.time(), 1), "shard_tokens": entry["tokens"],
+                                    "run_seconds": round(time.perf_counter() - t0, 1),
+                                    "run_response_tokens": made[0]}) + "\n")
 
     bar = None
     if progress:
@@ -357,6 +367,66 @@ def response_requests(tokenizer, prompts: list[dict], *, sampled_share: float, t
     return reqs
 
 
+_SUMMARIZE = ("Summarize the following text in a few sentences.\n\n{p}", "Write a short summary of this passage.\n\n{p}",
+              "What are the key points of the text below?\n\n{p}", "TL;DR:\n\n{p}")
+_QUESTIONS = ("What is the main idea of the passage?", "Which facts or steps does the passage mention?",
+              "Who or what is the passage about, and what does it say about them?",
+              "Does the passage give any advice? Quote it.", "What would be a good title for this passage?")
+_QA = "Read the passage and answer the question.\n\nPassage:\n{p}\n\nQuestion: {q}"
+_FOLLOW_UPS = ("Can you explain that in simpler words?", "Give me a concrete example.",
+               "Summarize your answer in two sentences.", "Can you turn that into a short list?",
+               "Tell me more about the first point.", "Translate the first sentence of your answer into French.",
+               "Why is that?", "Can you make it more formal?")
+
+
+def _derived_id(base: int, heldout: bool) -> int:
+    """The first id from `base` whose held-out status is `heldout`: a prompt made from a held-out answer stays
+    held out, so nothing the evaluation reads leaks into training."""
+    while is_heldout(base) != heldout:
+        base += 1
+    return base
+
+
+def long_requests(tokenizer, out: str, prompts: list[dict], *, source_blocks: int, prompt_len: int, max_new: int,
+                  min_passage: int = 60) -> list[Request]:
+    """Long-context and multi-turn prompts from the first `source_blocks` shards of the responses phase: summarise
+    one answer or three consecutive ones, answer a question about one, or continue the conversation with a
+    second user turn. All greedy (they are answered once)."""
+    corpus = open_corpus(os.path.join(out, "responses"), check_hashes=False)[0]
+    have = {e["block"] for e in corpus.shards}
+    if not set(range(source_blocks)) <= have:
+        raise ShardError(f"the long phase reads responses blocks 0..{source_blocks - 1}; blocks "
+                         f"{sorted(set(range(source_blocks)) - have)[:5]} are not generated yet")
+    src = dataclasses.replace(corpus, manifest=dict(corpus.manifest, shards=[e for e in corpus.shards
+                                                                             if e["block"] < source_blocks]))
+    text_of = {p["id"]: p["text"] for p in prompts}
+    answers = [e for e in iter_examples([src], split="all", shuffle=False)
+               if e.temperature == 0 and e.tokens.size - e.prompt_len >= min_passage and e.prompt_id in text_of]
+    reqs: list[Request] = []
+    nid = 2_000_000
+    for k, e in enumerate(answers):
+        answer = tokenizer.decode(e.tokens[e.prompt_len:].tolist())
+        kind = k % 4
+        if kind == 0:
+            msgs = [{"role": "user", "content": _SUMMARIZE[k // 4 % len(_SUMMARIZE)].format(p=answer)}]
+        elif kind == 1:  # a longer context: three consecutive answers as one document
+            doc = "\n\n".join(tokenizer.decode(x.tokens[x.prompt_len:].tolist()) for x in answers[k:k + 3])
+            msgs = [{"role": "user", "content": _SUMMARIZE[k // 4 % len(_SUMMARIZE)].format(p=doc)}]
+        elif kind == 2:
+            msgs = [{"role": "user", "content": _QA.format(p=answer, q=_QUESTIONS[k // 4 % len(_QUESTIONS)])}]
+        else:
+            msgs = [{"role": "user", "content": text_of[e.prompt_id]}, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": _FOLLOW_UPS[k // 4 % len(_FOLLOW_UPS)]}]
+        toks = chat_tokens(tokenizer, msgs)
+        if len(toks) > prompt_len:
+            continue
+        # Derived from a held-out answer (or, for kind 1, containing one): held out too.
+        held = any(is_heldout(x.prompt_id) for x in (answers[k:k + 3] if kind == 1 else [e]))
+        nid = _derived_id(nid + 1, held)
+        reqs.append(Request(len(reqs), nid, toks, 0.0, max_new))
+    return reqs
+
+
 # ------------------------------------------------------------------------------------------------- measuring
 
 
@@ -401,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sampled-share", type=float, default=0.5,
                     help="share of training prompts also answered sampled")
     ap.add_argument("--temperature", type=float, default=1.0, help="temperature of the sampled answers")
+    ap.add_argument("--long-source-blocks", type=int, default=8,
+                    help="long phase: build its prompts from the first N shards of the responses phase")
+    ap.add_argument("--long-prompt-len", type=int, default=512)
+    ap.add_argument("--long-max-new", type=int, default=256)
+    ap.add_argument("--long-batch", type=int, default=96)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--refill", type=int, default=32)
     ap.add_argument("--steps", type=int, default=8)
@@ -452,6 +527,15 @@ def main(argv: list[str] | None = None) -> dict:
                                    temperature=args.temperature), block=args.block, features=feats,
                        progress=args.progress)
         summary["phases"]["responses"] = st
+    if "long" in phases:
+        prompts = read_prompt_file(args.out)
+        reqs = long_requests(tok, args.out, prompts, source_blocks=args.long_source_blocks,
+                             prompt_len=args.long_prompt_len, max_new=args.long_max_new)
+        shape = GenShape(args.long_batch, args.long_prompt_len, args.long_max_new, args.refill, args.steps)
+        st = run_phase(params, cfg, tok, args.out, "long", cut(reqs), shape, seed=args.seed,
+                       header=dict(header, source_blocks=args.long_source_blocks), block=args.block, features=feats,
+                       progress=args.progress)
+        summary["phases"]["long"] = st
     for name, st in summary["phases"].items():
         if st["seconds"] > 0 and st["response_tokens"]:
             st["tokens_per_s"] = st["response_tokens"] / st["seconds"]

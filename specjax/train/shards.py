@@ -90,6 +90,7 @@ def _atomic_write(path: str, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a corpus is meant to be shared and committed
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

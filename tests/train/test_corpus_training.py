@@ -161,3 +161,26 @@ def test_sigkill_then_resume_ends_where_an_uninterrupted_run_ends(corpus, tmp_pa
     for k in a:
         np.testing.assert_allclose(a[k].astype(np.float32), b[k].astype(np.float32), rtol=0, atol=0, err_msg=k)
     np.testing.assert_allclose(_train_losses(tmp_path / "whole"), _train_losses(cut), rtol=1e-6)
+
+
+def test_a_corpus_that_changed_under_a_run_is_refused(corpus, tmp_path):
+    import shutil
+
+    model, root = corpus
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("features"))
+    E.main(_train_args(model, str(copy), tmp_path / "run", "--steps", "1", "--features", "online"))
+    man = json.load(open(copy / "manifest.json"))
+    man["shards"] = man["shards"][:-1]
+    json.dump(man, open(copy / "manifest.json", "w"))
+    with pytest.raises(E.HeadTrainError, match="other settings .*corpus_shards"):
+        E.main(_train_args(model, str(copy), tmp_path / "run", "--steps", "1", "--features", "online"))
+
+
+def test_eagle1_head_trains_on_the_corpus(corpus, tmp_path):
+    model, root = corpus
+    args = _train_args(model, root, tmp_path / "e1", "--steps", "2", "--loss-vocab", "64")
+    args[args.index("eagle3")] = "eagle"
+    s = E.main(args)
+    assert s["kind"] == "eagle" and s["heldout"]["vocab"] == "full" and len(s["heldout"]["top1"]) == 5
+    assert os.path.isfile(tmp_path / "e1" / "head" / "model.safetensors")

@@ -146,3 +146,27 @@ def test_magpie_prefix_and_filters(loaded):
     assert [i for i, _, _ in magpie.dedupe(items)] == [0, 2]
     cands = magpie.plan_candidates(30, seed=1)
     assert cands == magpie.plan_candidates(30, seed=1) and len({c.category for c in cands}) == len(magpie.OPENERS)
+
+
+def test_long_phase_builds_passage_and_multi_turn_prompts(tmp_path, model_dir, loaded):
+    from specjax.train.shards import is_heldout
+
+    _main(tmp_path / "c", model_dir)
+    tok = loaded.tokenizer
+    prompts = G.read_prompt_file(str(tmp_path / "c"))
+    with pytest.raises(ShardError, match="blocks .* are not generated yet"):
+        G.long_requests(tok, str(tmp_path / "c"), prompts, source_blocks=99, prompt_len=512, max_new=8)
+    reqs = G.long_requests(tok, str(tmp_path / "c"), prompts, source_blocks=2, prompt_len=512, max_new=8,
+                           min_passage=4)
+    assert len(reqs) >= 8
+    texts = [tok.decode(r.tokens.tolist(), skip_special_tokens=False) for r in reqs]
+    assert any("Passage:" in t for t in texts) and any(t.count("<|im_start|>user") == 2 for t in texts)
+    assert len({r.prompt_id for r in reqs}) == len(reqs) and all(r.prompt_id >= 2_000_000 for r in reqs)
+    again = G.long_requests(tok, str(tmp_path / "c"), prompts, source_blocks=2, prompt_len=512, max_new=8,
+                            min_passage=4)
+    assert [(r.prompt_id, r.tokens.tolist()) for r in again] == [(r.prompt_id, r.tokens.tolist()) for r in reqs]
+    got = []
+    G.generate(loaded.params, loaded.config, reqs[:6], G.GenShape(4, 512, 8, 2, 4), tok.stop_token_ids, seed=0,
+               phase="long", on_done=got.append)
+    assert len(got) == 6
+    assert {is_heldout(r.prompt_id) for r in reqs} <= {True, False}
