@@ -29,8 +29,11 @@ def main(corpus_root: str) -> dict:
     from specjax.train.corpus import count_tokens, coverage, vocab_from_counts
     from specjax.train.shards import open_corpus
 
+    from specjax.models.loading import load_model
+
     llm = LLM("smollm2-135m")
     tok = llm.tokenizer
+    target_params = load_model("smollm2-135m", with_tokenizer=False).params  # unfused: what heads start from
     corpora = open_corpus(corpus_root, check_hashes=False)
     V = llm.config.vocab_size
     always = sorted({0, 1, 2, *tok.stop_token_ids})
@@ -46,7 +49,7 @@ def main(corpus_root: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         for size in sizes:
             cfg = head_config(llm.config, "eagle3", draft_vocab_size=size)
-            params = init_from_target(cfg, llm.params, -1, draft_ids=vocab_from_counts(train, size, always))
+            params = init_from_target(cfg, target_params, -1, draft_ids=vocab_from_counts(train, size, always))
             path = f"{d}/h{size}"
             save_head(path, cfg, params)
             chain = lambda g: SpeculativeConfig(method="eagle3", model=path, num_speculative_tokens=g, top_k=1,

@@ -135,15 +135,22 @@ def coverage(train_counts: np.ndarray, heldout_counts: np.ndarray, sizes: Sequen
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "layers", "top_k", "online"))
-def device_targets(tparams: dict, tcfg, batch: dict, t2o: jax.Array, *, layers: tuple, top_k: int, online: bool):
+def device_targets(tparams: dict, tcfg, batch: dict, out_ids: jax.Array, t2o: jax.Array, *, layers: tuple,
+                   top_k: int, online: bool):
     """The head's training inputs from a corpus batch, on device, without gradient.
 
-    batch: tokens [B, T], prompt_len [B], length [B] and (recorded features) feats [B, T, (1 + len(layers)) * H]
-    laid out [final | layer outputs]. online: compute the features with the target's forward instead.
-    t2o [V] int32: target id -> head vocabulary index (-1 outside). Returns tokens, final [B, T, H] float32,
-    layers [B, T, len(layers) * H] float32, soft_idx / soft_p [B, T, K] (the target's top-k at position p, the
-    distribution of token p + 1, renormalised inside the head vocabulary), greedy [B, T] (head index of the
-    target's argmax, -1 outside the head vocabulary) and mask [B, T] (p is a response-predicting position).
+    batch: tokens [B, T], prompt_len [B], length [B], temperature [B] and (recorded features) feats
+    [B, T, (1 + len(layers)) * H] laid out [final | layer outputs]. online: compute the features with the target's
+    forward instead. out_ids [Vo] int32: the head's output vocabulary as target ids; t2o [V] int32 its inverse
+    (-1 outside). Returns tokens, final [B, T, H] float32, layers [B, T, len(layers) * H] float32, soft_idx /
+    soft_p [B, T, K] (at position p the target's distribution of token p + 1 inside the head vocabulary: its
+    top-k there, renormalised), greedy [B, T] (head index of the target's greedy token, -1 outside the head
+    vocabulary) and mask [B, T] (p predicts a response token).
+
+    Only the head vocabulary's columns of the target's LM head are computed (a top-k over the full 49k-wide
+    vocabulary costs more than the head's own step). The greedy token is the next token itself on greedy
+    answers (what the target chose); on sampled answers it is the head-vocabulary argmax, which is the target's
+    argmax whenever that lies inside the head vocabulary.
     """
     from specjax.train.features import target_features
 
@@ -156,19 +163,19 @@ def device_targets(tparams: dict, tcfg, batch: dict, t2o: jax.Array, *, layers: 
         final, lay = f[..., :H], f[..., H:]
     final, lay = jax.lax.stop_gradient(final), jax.lax.stop_gradient(lay)
     head = tparams["lm_head"] if "lm_head" in tparams else tparams["embed"].T  # [H, V]
-    logp = jax.nn.log_softmax(final @ head, axis=-1)  # [B, T, V]
-    top_lp, top_id = jax.lax.top_k(logp, top_k)
-    idx = t2o[top_id]
-    p = jnp.exp(top_lp) * (idx >= 0)
+    logp = jax.nn.log_softmax(final @ jnp.take(head, out_ids, axis=1), axis=-1)  # [B, T, Vo]
+    top_lp, idx = jax.lax.top_k(logp, top_k)
     T = tokens.shape[1]
     pos = jnp.arange(T)[None, :]
     # Position p predicts token p + 1; the loss covers the predictions of response tokens only.
     mask = (pos >= batch["prompt_len"][:, None] - 1) & (pos < batch["length"][:, None] - 1)
-    p = p * mask[..., None]
+    p = jnp.exp(top_lp) * mask[..., None]
     p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
-    greedy = jnp.where(mask, t2o[top_id[..., 0]], -1)
-    return {"tokens": tokens, "final": final, "layers": lay, "soft_idx": jnp.maximum(idx, 0).astype(jnp.int32),
-            "soft_p": p, "greedy": greedy.astype(jnp.int32), "mask": mask}
+    nxt = t2o[jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)]
+    greedy = jnp.where(batch["temperature"][:, None] == 0, nxt, idx[..., 0])
+    greedy = jnp.where(mask, greedy, -1)
+    return {"tokens": tokens, "final": final, "layers": lay, "soft_idx": idx.astype(jnp.int32), "soft_p": p,
+            "greedy": greedy.astype(jnp.int32), "mask": mask}
 
 
 def t2o_table(vocab_size: int, out_ids: np.ndarray | None) -> np.ndarray:

@@ -429,12 +429,13 @@ def train_on_corpus(args) -> dict:
     full_head = tparams["lm_head"] if "lm_head" in tparams else embed.T
     t2o = jnp.asarray(t2o_table(V, None if vocab.size == V else vocab))
     t2o_full = jnp.asarray(t2o_table(V, None))
+    ids, ids_full = jnp.asarray(vocab), jnp.arange(V, dtype=jnp.int32)
     if args.kind == "eagle":
         frozen = {"embed": embed, "lm_head": jnp.take(full_head, jnp.asarray(vocab), axis=1)}
-        frozen_eval, t2o_eval = {"embed": embed, "lm_head": full_head}, t2o_full
+        frozen_eval, vocab_eval = {"embed": embed, "lm_head": full_head}, (ids_full, t2o_full)
     else:
         frozen = frozen_eval = {"embed": embed}
-        t2o_eval = t2o
+        vocab_eval = (ids, t2o)
     mesh = _mesh(args.mesh)
     if mesh is not None and args.batch % args.mesh:
         raise HeadTrainError(f"--batch {args.batch} must be a multiple of --mesh {args.mesh}")
@@ -445,9 +446,8 @@ def train_on_corpus(args) -> dict:
     loader = CorpusBatches(corpora, batch=args.batch, bucket=args.bucket, max_len=args.max_len or 0, seed=args.seed,
                            split="train", features=not online)
 
-    def head_batch(hb: dict, table) -> dict:
-        hb = put_batch({k: v for k, v in hb.items() if k != "temperature"})
-        d = device_targets(tparams, tcfg, hb, table, layers=layers, top_k=16, online=online)
+    def head_batch(hb: dict, vocab_tables) -> dict:
+        d = device_targets(tparams, tcfg, put_batch(hb), *vocab_tables, layers=layers, top_k=16, online=online)
         out = {k: d[k] for k in ("tokens", "soft_idx", "soft_p", "greedy", "mask")}
         out["feats"] = d["final"] if args.kind == "eagle" else d["layers"]
         if args.kind == "eagle":
@@ -459,7 +459,7 @@ def train_on_corpus(args) -> dict:
     def batch_at(step):
         hb = loader.batch_at(step)
         tokens_seen[0] += int(hb["length"].sum())
-        return head_batch(hb, t2o)
+        return head_batch(hb, (ids, t2o))
 
     def record(s):
         cnt = np.maximum(s["count"], 1)
@@ -473,7 +473,7 @@ def train_on_corpus(args) -> dict:
         it = held._epoch(0)
         for _, hb in zip(range(args.eval_batches), it):
             hb = dict(hb, length=np.where(hb["temperature"] == 0, hb["length"], 0))  # greedy answers only
-            fz, tb = (frozen_eval, t2o_eval) if final else (frozen, t2o)
+            fz, tb = (frozen_eval, vocab_eval) if final else (frozen, (ids, t2o))
             m, v, _ = jax.device_get(eval_matches(p, fz, cfg, head_batch(hb, tb), args.eval_unroll))
             matches.append(m.reshape(m.shape[0], -1))
             valids.append(v.reshape(v.shape[0], -1))

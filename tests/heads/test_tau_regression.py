@@ -13,7 +13,9 @@ import sys
 
 import pytest
 
-from helpers import smollm2_gguf_path
+if __name__ == "__main__":  # run as a script to re-record: the test helpers live one folder up
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import smollm2_gguf_path  # noqa: E402
 
 BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tau_baseline.json")
 TOLERANCE = 0.05
@@ -89,7 +91,6 @@ def test_a_weakened_head_fails_the_check(llm, tmp_path):
 
 
 if __name__ == "__main__" and "--record" in sys.argv:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from specjax.api import LLM
 
     model = LLM("smollm2-135m")

@@ -148,6 +148,7 @@ def test_magpie_prefix_and_filters(loaded):
     assert cands == magpie.plan_candidates(30, seed=1) and len({c.category for c in cands}) == len(magpie.OPENERS)
 
 
+@pytest.mark.slow
 def test_long_phase_builds_passage_and_multi_turn_prompts(tmp_path, model_dir, loaded):
     from specjax.train.shards import is_heldout
 
