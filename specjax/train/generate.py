@@ -127,9 +127,10 @@ def _programs(config, shape: GenShape, features: tuple):
 
 
 def _bucket(n: int) -> int:
-    """Suffix bucket: n rounded up to 16 (a prefill computes every padded position, so coarse power-of-two
-    buckets cost more in padding than the few extra compiles of a finer grid)."""
-    return max(16, -(-n // 16) * 16)
+    b = 16
+    while b < n:
+        b *= 2
+    return b
 
 
 def common_prefix(requests: Sequence[Request]) -> np.ndarray:
@@ -195,30 +196,23 @@ def generate(params, config, requests: Sequence[Request], shape: GenShape, stop_
     state = empty(params, _sampling(temps, seeds, mnew, [stops] * B))
     nxt, made, done = 0, 0, 0
     t0 = time.perf_counter()
-    sizes = sorted({max(1, R // 4), max(1, R // 2), R})  # prefill row buckets: a few free slots cost a few rows
     while True:
         free = np.flatnonzero(slot_req < 0)
-        # Refill once a quarter of a refill is free (or nothing runs): a prefill computes all of its rows, so
-        # refilling every free slot at once would pay R rows for one.
-        while free.size >= sizes[0] or (free.size and not (slot_req >= 0).any()):
-            if nxt >= len(requests):
-                break
-            n_take = min(free.size, R, len(requests) - nxt)
-            rows_n = next(z for z in sizes if z >= n_take)
-            take = list(range(nxt, nxt + n_take))
+        while free.size and nxt < len(requests):
+            take = list(range(nxt, min(nxt + min(R, free.size), len(requests))))
             nxt += len(take)
-            slots = np.full(rows_n, B, np.int32)
+            slots = np.full(R, B, np.int32)
             slots[:len(take)] = free[:len(take)]
             free = free[len(take):]
             S = min(_bucket(max(len(requests[j].tokens) - Lp for j in take)), _capacity(shape) - n)
-            toks, lens = np.zeros((rows_n, S), np.int32), np.ones(rows_n, np.int32)
-            rt, rs, rm = np.zeros(rows_n, np.float32), np.zeros(rows_n, np.uint32), np.ones(rows_n, np.int32)
+            toks, lens = np.zeros((R, S), np.int32), np.ones(R, np.int32)
+            rt, rs, rm = np.zeros(R, np.float32), np.zeros(R, np.uint32), np.ones(R, np.int32)
             for k, j in enumerate(take):
                 q = requests[j]
                 toks[k, :len(q.tokens) - Lp], lens[k] = q.tokens[Lp:], len(q.tokens) - Lp
                 rt[k], rs[k], rm[k] = q.temperature, request_seed(seed, phase, q.id), q.max_new
-            active = np.arange(rows_n) < len(take)
-            rows, sf = suffix_prefill(params, prefix, toks, lens, active, _sampling(rt, rs, rm, [stops] * rows_n))
+            active = np.arange(R) < len(take)
+            rows, sf = suffix_prefill(params, prefix, toks, lens, active, _sampling(rt, rs, rm, [stops] * R))
             state = insert(state, rows, slots)
             sf = None if sf is None else np.asarray(jax.device_get(sf))
             for k, j in enumerate(take):
