@@ -36,7 +36,8 @@ class RequestMetrics:
     drafted: int | None = None
     accepted: int | None = None
     acceptance_rate: float | None = None  # alpha = accepted / drafted
-    mean_accepted_length: float | None = None  # tau = (accepted + verify steps) / verify steps
+    mean_accepted_length: float | None = None  # tau = 1 + accepted / verify steps (`tau`); plain steps not counted
+    tokens_per_forward: float | None = None  # (accepted + forwards) / forwards after prefill; plain steps counted
     verify_steps: int | None = None
     target_forwards: int | None = None  # prefill + verify steps + plain steps
     per_position_acceptance: list[float] | None = None  # accepted / drafted at depth 1, 2, ...
@@ -195,6 +196,26 @@ def build_output(tokenizer, prompt, prompt_ids, new_ids, finish, ttft: float, to
     return RequestOutput(prompt, list(prompt_ids), new_ids, tokenizer.decode(new_ids), finish_name(finish), metrics)
 
 
+def _tokens_per_step(accepted: float, steps: int) -> float:
+    """1 + accepted / steps: every target forward yields one token of its own plus the drafts it accepted; 1.0
+    when there was no step. The two metrics below differ only in which steps they count."""
+    return 1.0 + accepted / steps if steps > 0 else 1.0
+
+
+def tau(accepted: float, verify_steps: int) -> float:
+    """Mean accepted length: tokens per verify step, 1 + accepted / verify_steps (Leviathan et al. 2023, vLLM);
+    1.0 when there was no verify step. Plain (backed-off) steps are not verify steps and do not count, so tau
+    measures the drafter, not the speed: 4 accepted in 1 verify step is 5.0 however many plain steps followed."""
+    return _tokens_per_step(accepted, verify_steps)
+
+
+def tokens_per_forward(accepted: float, forwards: int) -> float:
+    """New tokens per decoding target forward, prefill excluded: (accepted + forwards) / forwards, where forwards
+    counts verify and plain steps alike; 1.0 when there was none. This is the figure that bounds the speedup:
+    4 accepted over 1 verify + 26 plain steps is 31 / 27."""
+    return _tokens_per_step(accepted, forwards)
+
+
 def spec_metrics(stats, i: int, draft_time, verify_time, lossy: bool) -> dict:
     """The speculative RequestMetrics fields of row `i` from SpecStats (host or device arrays)."""
     steps = int(stats.verify_steps[i])
@@ -206,8 +227,8 @@ def spec_metrics(stats, i: int, draft_time, verify_time, lossy: bool) -> dict:
     return dict(
         drafted=drafted, accepted=accepted,
         acceptance_rate=accepted / drafted if drafted else 0.0,
-        # tokens per target forward; a plain step (nothing proposed anywhere in the batch) yields one
-        mean_accepted_length=(accepted + steps + plain) / (steps + plain) if steps + plain else 1.0,
+        # a plain step (nothing proposed anywhere in the batch) is a forward but not a verify step
+        mean_accepted_length=tau(accepted, steps), tokens_per_forward=tokens_per_forward(accepted, steps + plain),
         verify_steps=steps, target_forwards=steps + plain + 1,
         per_position_acceptance=[float(a / d) if d else 0.0 for a, d in zip(pa, pd)],
         per_position_accepted=[int(a) for a in pa], per_position_drafted=[int(d) for d in pd],

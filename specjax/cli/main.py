@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompts", nargs="*", help="prompts (default: the config's prompts, else a demo prompt)")
     g.add_argument("--raw", action="store_true", help="do not wrap prompts in the model's chat template")
     g.add_argument("--compare", action="store_true",
-                   help="also run plain decoding on the same prompts and print the measured speedup")
+                   help="also run plain decoding on the same prompts, before and after the method, and print "
+                        "the measured speedup with the spread of the two plain runs")
     g.add_argument("--json", action="store_true", help="print results as JSON lines")
     c = sub.add_parser("chat", help="interactive chat, streaming tokens")
     add_config_flags(c)
@@ -81,12 +82,32 @@ def _spec(cfg: RunConfig):
     return cfg.speculative if cfg.speculative.enabled else None
 
 
-def _timed(llm, prompts, cfg, spec, chat):
-    """Run twice: the first call compiles, the second is the one measured."""
-    llm.generate(prompts, cfg.sampling, spec, chat=chat)
+def _timed(llm, prompts, cfg, spec, chat, warm_up: bool = True):
+    """One measured call, after an untimed one that compiles (`warm_up`). Returns (outputs, seconds)."""
+    if warm_up:
+        llm.generate(prompts, cfg.sampling, spec, chat=chat)
     t = time.perf_counter()
     outs = llm.generate(prompts, cfg.sampling, spec, chat=chat)
     return outs, time.perf_counter() - t
+
+
+def compare_lines(spec_tps: float, plain_before_tps: float, plain_after_tps: float, drafted: int, accepted: int,
+                  verify_steps: int) -> list[str]:
+    """The `generate --compare` verdict: the speedup over the mean of the plain runs timed before and after the
+    method, with the speedup against each (their spread is the noise of the measurement), and, where the method
+    accepted nothing, a warning instead of a speedup: a ratio without speculation is noise or overhead."""
+    plain = (plain_before_tps + plain_after_tps) / 2
+    ratio = lambda p: spec_tps / p if p > 0 else float("nan")
+    spread = (f"{ratio(plain):.2f}x ({spec_tps:.1f} tok/s against plain {plain:.1f} tok/s, the mean of "
+              f"{plain_before_tps:.1f} before and {plain_after_tps:.1f} after: {ratio(plain_before_tps):.2f}x and "
+              f"{ratio(plain_after_tps):.2f}x; compile excluded)")
+    if verify_steps == 0 or accepted == 0:
+        why = ("no verify step ran: every step backed off to plain decoding" if verify_steps == 0 else
+               f"no token drafted in {verify_steps} verify steps" if drafted == 0 else
+               f"0 of {drafted} drafted tokens accepted in {verify_steps} verify steps")
+        return [f"WARNING: the method accepted nothing ({why}); the figure below is not a speedup from speculation",
+                f"tok/s ratio to plain decoding (noise or overhead): {spread}"]
+    return [f"speedup over plain decoding: {spread}"]
 
 
 def cmd_generate(args) -> int:
@@ -98,7 +119,11 @@ def cmd_generate(args) -> int:
     print(f"model {cfg.model.model} ({llm.source.kind}: {llm.source.path}), dtype {cfg.model.dtype}, "
           f"method {cfg.speculative.method or 'plain'}"
           + (f", gamma {cfg.speculative.num_speculative_tokens}" if spec else ""), file=sys.stderr)
-    if args.compare:
+    if args.compare and spec is not None:  # plain before and after the method: their spread shows the noise
+        plain, t_before = _timed(llm, prompts, cfg, None, chat)
+        outs, t_spec = _timed(llm, prompts, cfg, spec, chat)
+        plain_after, t_after = _timed(llm, prompts, cfg, None, chat, warm_up=False)
+    elif args.compare:
         outs, t_spec = _timed(llm, prompts, cfg, spec, chat)
     else:
         t0 = time.perf_counter()
@@ -116,18 +141,19 @@ def cmd_generate(args) -> int:
                 f"finish {o.finish_reason}")
         if m.acceptance_rate is not None:
             pos = ", ".join(f"{a:.2f}" for a in m.per_position_acceptance)
-            line += (f"\n--- acceptance rate {m.acceptance_rate:.3f}, mean accepted length tau {m.mean_accepted_length:.2f}"
-                     f", per position [{pos}], {m.target_forwards} target forwards"
+            line += (f"\n--- acceptance rate {m.acceptance_rate:.3f}, mean accepted length tau "
+                     f"{m.mean_accepted_length:.2f} over {m.verify_steps} verify steps, {m.tokens_per_forward:.2f} "
+                     f"tokens per target forward, per position [{pos}], {m.target_forwards} target forwards"
                      + (" (LOSSY acceptance)" if m.lossy else ""))
         print(line)
     if args.compare and spec is not None:
-        plain, t_plain = _timed(llm, prompts, cfg, None, chat)
         same = all(a.token_ids == b.token_ids for a, b in zip(outs, plain))
-        n_spec = sum(o.metrics.new_tokens for o in outs)
-        n_plain = sum(o.metrics.new_tokens for o in plain)
-        print(f"\nspeedup over plain decoding: {(n_spec / t_spec) / (n_plain / t_plain):.2f}x "
-              f"({n_spec / t_spec:.1f} vs {n_plain / t_plain:.1f} tok/s, compile excluded); "
-              f"output identical to plain: {same}"
+        tps = lambda o, t: sum(x.metrics.new_tokens for x in o) / t
+        lines = compare_lines(tps(outs, t_spec), tps(plain, t_before), tps(plain_after, t_after),
+                              sum(o.metrics.drafted for o in outs), sum(o.metrics.accepted for o in outs),
+                              sum(o.metrics.verify_steps for o in outs))
+        print("\n" + "\n".join(lines))
+        print(f"output identical to plain: {same}"
               + ("" if cfg.sampling.temperature == 0 else " (sampling: equal only in distribution)"))
     return 0
 
@@ -154,7 +180,7 @@ def cmd_chat(args) -> int:
             print(outs[0].text)
             m = outs[0].metrics
             print(f"[acceptance {m.acceptance_rate:.2f}, tau {m.mean_accepted_length:.2f}, "
-                  f"{m.tokens_per_s:.1f} tok/s]", file=sys.stderr)
+                  f"{m.tokens_per_forward:.2f} tokens per target forward, {m.tokens_per_s:.1f} tok/s]", file=sys.stderr)
         messages.append({"role": "assistant", "content": outs[0].text})
     return 0
 

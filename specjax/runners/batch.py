@@ -255,7 +255,8 @@ def _record(llm, req: Request, s: int, host, finish, seconds: float, spec, summa
 
         m = spec_metrics(stats, s, None, None, spec.is_lossy)
         metrics.update(drafted=m["drafted"], accepted=m["accepted"], acceptance_rate=round(m["acceptance_rate"], 4),
-                       tau=round(m["mean_accepted_length"], 4), verify_steps=m["verify_steps"],
+                       tau=round(m["mean_accepted_length"], 4),
+                       tokens_per_forward=round(m["tokens_per_forward"], 4), verify_steps=m["verify_steps"],
                        plain_steps=int(stats.plain_steps[s]))
         if m["lossy"]:
             metrics["lossy"] = True

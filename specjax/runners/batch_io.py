@@ -62,16 +62,25 @@ class JobSummary:
 
     @property
     def tau(self) -> float:
-        """Mean tokens per target forward after prefill: (accepted + forwards) / forwards."""
-        fwd = self.verify_steps + self.plain_steps
-        return (self.accepted + fwd) / fwd if fwd else 1.0
+        """Mean accepted length: 1 + accepted / verify steps (plain steps not counted)."""
+        from specjax.requests import tau  # here, not at the top: this module stays JAX-free for `specjax --help`
+
+        return tau(self.accepted, self.verify_steps)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """New tokens per decoding target forward, verify and plain steps alike, prefill excluded."""
+        from specjax.requests import tokens_per_forward
+
+        return tokens_per_forward(self.accepted, self.verify_steps + self.plain_steps)
 
     def format(self) -> str:
         parts = [f"{self.completed} requests done ({self.already_done} already in the output, "
                  f"{self.skipped_lines} bad input lines skipped)",
                  f"{self.new_tokens} tokens in {self.wall_time:.1f} s = {self.tokens_per_s:.1f} tok/s"]
         if self.speculative:
-            parts.append(f"acceptance {self.acceptance_rate:.3f}, tau {self.tau:.2f}")
+            parts.append(f"acceptance {self.acceptance_rate:.3f}, tau {self.tau:.2f} ({self.verify_steps} verify "
+                         f"steps), {self.tokens_per_forward:.2f} tokens per target forward")
         return "; ".join(parts)
 
 

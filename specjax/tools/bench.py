@@ -7,7 +7,8 @@ read from a fixed location.
 
 Timing excludes compilation: the first request of every new shape bucket is run once untimed. Batch 1 by
 default (the latency setting of the papers). Figures per method and category: tokens/s, speedup over plain (ratio
-of tokens/s on the same prompts), acceptance rate alpha, mean accepted length tau (tokens per target forward),
+of tokens/s on the same prompts), acceptance rate alpha, mean accepted length tau (1 + accepted / verify steps, as
+in the papers and vLLM), tokens per target forward (plain backed-off steps counted: what bounds the speedup),
 per-position acceptance, TTFT and end-to-end latency p50/p90.
 
 Optional extras: a throughput run at larger batch sizes (`run_throughput`: tokens/s against batch size, with a
@@ -186,6 +187,15 @@ def run_requests(llm, prompts: Sequence[BenchPrompt], spec: SpeculativeConfig | 
     return records
 
 
+def _spec_figures(drafted: int, accepted: int, verify_steps: int, forwards: int) -> dict:
+    """alpha, tau (per verify step) and tokens per decoding target forward (prefill excluded) of pooled counts."""
+    # specjax.requests pulls in JAX; imported here so that importing this module (`specjax --help`) stays fast
+    from specjax.requests import tau, tokens_per_forward
+
+    return {"acceptance_rate": accepted / drafted if drafted else 0.0, "tau": tau(accepted, verify_steps),
+            "tokens_per_forward": tokens_per_forward(accepted, forwards)}
+
+
 def aggregate(records: list[dict]) -> dict:
     toks = sum(r["new_tokens"] for r in records)
     t = sum(r["time"] for r in records)
@@ -199,10 +209,8 @@ def aggregate(records: list[dict]) -> dict:
         out["identical_to_plain"] = [int(sum(checked)), len(checked)]
     drafted = sum(r["drafted"] for r in records)
     if any("pos_num" in r for r in records):
-        acc = sum(r["accepted"] for r in records)
-        fwd = sum(r["target_forwards"] for r in records)
-        out["acceptance_rate"] = acc / drafted if drafted else 0.0
-        out["tau"] = (acc + fwd) / fwd if fwd else 1.0
+        out.update(_spec_figures(drafted, sum(r["accepted"] for r in records), sum(r["verify_steps"] for r in records),
+                                 sum(r["target_forwards"] for r in records)))
         num = sum(r["pos_num"] for r in records if "pos_num" in r)
         den = sum(r["pos_den"] for r in records if "pos_den" in r)
         out["per_position"] = [float(a / d) if d else 0.0 for a, d in zip(np.atleast_1d(num), np.atleast_1d(den))]
@@ -269,19 +277,17 @@ def run_throughput(llm, prompts: Sequence[BenchPrompt], spec: SpeculativeConfig 
 
 
 def throughput_figures(metrics: Sequence, wall: float, batch: int, calls: int) -> dict:
-    """tokens/s over the wall time of all calls; alpha and tau pooled over the requests' own counters
-    (tau = (accepted + decoding forwards) / decoding forwards, prefill excluded as in `run_requests`)."""
+    """tokens/s over the wall time of all calls; alpha, tau (1 + accepted / verify steps) and tokens per target
+    forward ((accepted + decoding forwards) / decoding forwards, prefill excluded as in `run_requests`) pooled
+    over the requests' own counters."""
     toks = sum(m.new_tokens for m in metrics)
     out: dict[str, Any] = {"batch": batch, "requests": len(metrics), "calls": calls, "new_tokens": toks,
                            "time_s": wall, "tokens_per_s": toks / wall if wall else 0.0,
                            "lossy": any(m.lossy for m in metrics)}
     spec = [m for m in metrics if m.drafted is not None]
     if spec:
-        drafted = sum(m.drafted for m in spec)
-        acc = sum(m.accepted for m in spec)
-        fwd = sum(m.target_forwards - 1 for m in spec)
-        out["acceptance_rate"] = acc / drafted if drafted else 0.0
-        out["tau"] = (acc + fwd) / fwd if fwd else 1.0
+        out.update(_spec_figures(sum(m.drafted for m in spec), sum(m.accepted for m in spec),
+                                 sum(m.verify_steps for m in spec), sum(m.target_forwards - 1 for m in spec)))
     return out
 
 
@@ -292,7 +298,7 @@ def batch1_figures(records: list[dict]) -> dict:
     agg = aggregate(records)
     out = {"batch": 1, "requests": len(records), "calls": len(records), "new_tokens": toks, "time_s": wall,
            "tokens_per_s": toks / wall if wall else 0.0, "lossy": agg["lossy"]}
-    out.update({k: agg[k] for k in ("acceptance_rate", "tau") if k in agg})
+    out.update({k: agg[k] for k in ("acceptance_rate", "tau", "tokens_per_forward") if k in agg})
     return out
 
 

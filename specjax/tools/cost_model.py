@@ -25,6 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
+from specjax.requests import tau
+
 __all__ = ["OFF", "Costs", "Acceptance", "expected_tokens", "leviathan_expected_tokens", "predict", "predict_tree",
            "with_plain", "choose"]
 
@@ -55,13 +57,13 @@ class Acceptance:
 
     @property
     def expected_tokens(self) -> float:
-        """Tokens per verify step: the accepted drafts plus the one the target samples itself."""
-        return 1.0 + self.accepted / max(self.verify_steps, 1)
+        """Tokens per verify step (tau): the accepted drafts plus the one the target samples itself."""
+        return tau(self.accepted, self.verify_steps)
 
 
 def expected_tokens(pos_accepted: np.ndarray, steps: int, gamma: int) -> float:
     """E[tokens per verify step] when the chain is cut to gamma, from per-depth accepted counts."""
-    return 1.0 + float(np.sum(pos_accepted[:gamma])) / max(steps, 1)
+    return tau(float(np.sum(pos_accepted[:gamma])), steps)
 
 
 def leviathan_expected_tokens(alpha: float, gamma: int) -> float:

@@ -37,20 +37,48 @@ def _categories(summary: dict) -> list[str]:
     return [c for c in next(iter(summary.values())) if c != "overall"] + ["overall"]
 
 
+# τ and tokens per forward differ exactly by the plain (backed-off) steps; a table that shows one shows both.
+TAU_NOTE = ("τ = 1 + accepted / verify steps (mean accepted length, as in the papers and vLLM; plain backed-off "
+            "steps not counted); tok/fwd = new tokens per decoding target forward (verify and plain steps, prefill "
+            "excluded): what bounds the speedup.")
+
+
+def _spec_text(a: dict, console: bool = False) -> str:
+    """alpha, tau and tokens per target forward of one figures dict that has them ('' where the method did not
+    draft); tok/fwd is left out of figures written before it existed."""
+    if "tau" not in a:
+        return ""
+    tpf = a.get("tokens_per_forward")
+    if console:
+        return f"\nα{a['acceptance_rate']:.2f} τ{a['tau']:.2f}" + ("" if tpf is None else f" {tpf:.2f}/fwd")
+    return f", α {a['acceptance_rate']:.2f}, τ {a['tau']:.2f}" + ("" if tpf is None else f", {tpf:.2f} tok/fwd")
+
+
 def _cell(a: dict, method: str, console: bool = False) -> str:
-    """One method x category entry: tokens/s, the speedup over plain (not on plain itself), alpha and tau where
-    the method drafted; `console` is the terser two-line form of the rich table."""
+    """One method x category entry: tokens/s, the speedup over plain (not on plain itself), alpha, tau and tokens
+    per target forward where the method drafted; `console` is the terser two-line form of the rich table."""
     s = f"{a['tokens_per_s']:.1f}" + ("" if console else " tok/s")
     if "speedup" in a and method != "plain":
         s += (" " if console else ", ") + f"{a['speedup']:.2f}x"
-    if "tau" in a:
-        s += (f"\nα{a['acceptance_rate']:.2f} τ{a['tau']:.2f}" if console
-              else f", α {a['acceptance_rate']:.2f}, τ {a['tau']:.2f}")
-    return s
+    return s + _spec_text(a, console)
+
+
+def speculation_markdown(summary: dict) -> list[str]:
+    """One row per speculative method (overall): alpha, tau and tokens per target forward, a column each."""
+    rows = {m: per["overall"] for m, per in summary.items() if "tau" in per["overall"]}
+    if not rows:
+        return []
+    lines = ["Speculation (overall):", "", "| method | α | τ | tok/fwd |", "|---|---|---|---|"]
+    for m, a in rows.items():
+        tpf = a.get("tokens_per_forward")
+        lines.append(f"| {m} | {a['acceptance_rate']:.2f} | {a['tau']:.2f} | "
+                     + ("" if tpf is None else f"{tpf:.2f}") + " |")
+    return lines + ["", TAU_NOTE, ""]
 
 
 def markdown(summary: dict, title: str) -> str:
-    """The per-category table of one temperature, the greedy-equality line, the LOSSY note, per-position rates."""
+    """The per-category table of one temperature, the greedy-equality line, the LOSSY note, the alpha / tau /
+    tokens-per-forward table, per-position rates."""
     lines = [f"## {title}", ""]
     cats = _categories(summary)
     lines.append("| method | " + " | ".join(cats) + " |")
@@ -65,6 +93,7 @@ def markdown(summary: dict, title: str) -> str:
             f"{m} {a}/{n}" for m, (a, n) in same.items()), ""]
     if any(per["overall"].get("lossy") for per in summary.values()):
         lines += [f"{LOSSY_TAG}: typical acceptance; outputs do not follow the target model's distribution.", ""]
+    lines += speculation_markdown(summary)
     lines += per_position_markdown(summary)
     return "\n".join(lines) + "\n"
 
@@ -96,9 +125,7 @@ def throughput_markdown(table: dict, title: str) -> str:
             if f is None:
                 cells.append("")
                 continue
-            cell = f"{f['tokens_per_s']:.1f}"
-            if "tau" in f:
-                cell += f", α {f['acceptance_rate']:.2f}, τ {f['tau']:.2f}"
+            cell = f"{f['tokens_per_s']:.1f}" + _spec_text(f)
             if f.get("greedy_equal_to_batch1") is False:
                 cell += ", greedy differs from batch 1"
             elif f.get("greedy_equal_to_plain_batch1") is True:
@@ -109,6 +136,8 @@ def throughput_markdown(table: dict, title: str) -> str:
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines += ["", "Every batch size is timed around whole `llm.generate` calls (batch 1: the per-prompt run).",
               ""]
+    if any("tau" in f for per in table.values() for f in per.values()):
+        lines += [TAU_NOTE, ""]
     return "\n".join(lines)
 
 

@@ -9,10 +9,15 @@ Features either come from the corpus (recorded during generation, bfloat16 memor
 inside the jitted target step, by the target's forward without gradient (`device_targets`). The soft targets
 are the target's own distribution at each position, from the final feature through its LM head: the top-k
 restricted to the head's vocabulary, the greedy token, and the mask of response positions.
+
+The run helpers at the end are what every corpus trainer (`eagle`, `draft_model`, `medusa`) does the same way:
+open the corpus against the target, guard a resumed run against a changed corpus, choose the output vocabulary
+from the training split's counts, and cut the greedy held-out batches.
 """
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -185,3 +190,81 @@ def t2o_table(vocab_size: int, out_ids: np.ndarray | None) -> np.ndarray:
     t = np.full(vocab_size, -1, np.int32)
     t[out_ids] = np.arange(out_ids.size, dtype=np.int32)
     return t
+
+
+# ------------------------------------------------------------------------------------------------- run helpers
+SOFT_TOP_K = 16  # entries of the target's distribution kept as soft targets at each position
+
+
+def open_for_target(roots: Sequence[str], target) -> list[Corpus]:
+    """The corpora at `roots`, checked against a loaded target (`specjax.models.loading.load_model` with its
+    tokenizer): a corpus made with another tokenizer or another target's weights is refused (`ShardError`)."""
+    from specjax.train.shards import open_corpus, target_fingerprint, tokenizer_fingerprint
+
+    return open_corpus(roots, tokenizer_sha=tokenizer_fingerprint(target.tokenizer),
+                       target_sha=target_fingerprint(target.config, target.params))
+
+
+def recorded_features(corpora: Sequence[Corpus], layout: Sequence[str] | None = None) -> bool:
+    """Whether every corpus recorded features (laid out as `layout`, e.g. ["final", "1", "14", "26"]; None =
+    any) and every shard's feature file is here at its full size: a committed corpus lists its features in the
+    manifest but keeps the files local, so only the machine that generated it can read them."""
+    for c in corpora:
+        if not c.feature_width or (layout is not None and c.manifest.get("features") != list(layout)):
+            return False
+        for e in c.shards:
+            path = os.path.join(c.root, "features", e.get("features", ""))
+            size = e["tokens"] * c.feature_width * 2  # bfloat16
+            if "features" not in e or not os.path.isfile(path) or os.path.getsize(path) != size:
+                return False
+    return True
+
+
+def shard_hashes(roots: Sequence[str]) -> list[str]:
+    """One short hash per corpus over its listed shards' SHA-256s, for a run's settings guard (`check_run`): a
+    corpus that grew or changed since the run started would change the batch stream under a resumed run."""
+    import hashlib
+
+    from specjax.train.shards import read_manifest
+
+    return [hashlib.sha256("".join(e["sha256"] for e in read_manifest(r)["shards"]).encode()).hexdigest()[:16]
+            for r in roots]
+
+
+def tokenizer_always_ids(tokenizer) -> list[int]:
+    """Ids every output vocabulary keeps: the first three specials and the tokenizer's stop tokens (the corpus
+    counterpart of `specjax.train.common.always_ids`, which reads them from an .npz's metadata)."""
+    return sorted({0, 1, 2, *tokenizer.stop_token_ids})
+
+
+def train_vocab(corpora: Sequence[Corpus], size: int, vocab_size: int, always: Sequence[int], counts_path: str,
+                what: str = "--draft-vocab", error: type[Exception] | None = None) -> np.ndarray:
+    """The `size` most frequent response ids of the training split [size] int32, ascending (`vocab_from_counts`).
+
+    The counts are kept in counts_path (.npy): counting reads every shard once, and a resumed run keeps them.
+    what: how the error names `size`; error: the exception class raised for a size outside [len(always), V]
+    (default `specjax.train.common.TrainError`)."""
+    from specjax.train.common import TrainError, cached_array
+
+    if not len(always) <= size <= vocab_size:
+        raise (error or TrainError)(f"{what} {size} must lie in [{len(always)}, {vocab_size}] (the target's "
+                                    "vocabulary, at least the special and stop tokens)")
+    counts = cached_array(counts_path, lambda: count_tokens(corpora, vocab_size, "train"))
+    return vocab_from_counts(counts, size, always)
+
+
+def heldout_batches(corpora: Sequence[Corpus], *, batch: int, bucket: int, max_len: int, limit: int,
+                    features: bool = False) -> Iterator[dict]:
+    """Up to `limit` batches of the held-out split (the `CorpusBatches` layout, seed 0, first epoch), with the
+    sampled answers' lengths set to 0 so only greedy answers are scored: on greedy text a teacher-forced match
+    is exactly what speculation would get accepted. A generator: one batch (and its features) in memory at a time."""
+    held = CorpusBatches(corpora, batch=batch, bucket=bucket, max_len=max_len, seed=0, split="heldout",
+                         features=features)
+    for _, hb in zip(range(limit), held._epoch(0)):
+        yield dict(hb, length=np.where(hb["temperature"] == 0, hb["length"], 0).astype(np.int32))
+
+
+def shifted(a: jax.Array, by: int, fill=0) -> jax.Array:
+    """a[:, t + by] at row t along axis 1 ([B, T, ...] -> same shape), `fill` past the end."""
+    pad = jnp.full((a.shape[0], by) + a.shape[2:], fill, a.dtype)
+    return jnp.concatenate([a[:, by:], pad], axis=1)

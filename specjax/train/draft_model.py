@@ -3,11 +3,20 @@
 The draft is a few Llama layers of the target's width that share the target's embedding; its head is the
 embedding rows of a reduced draft vocabulary `d2t` (see `specjax.models.draft_io`).
 
-Training (`python -m specjax.train.draft_model --data FILE --out DIR --steps N`): layers initialised from chosen
-target layers, trained with AdamW (warmup + cosine) on the response tokens of self-distillation data
-(`specjax.train.data`) against the target's top-k distribution restricted to the draft vocabulary, plus an
-optional cross-entropy on the target's greedy token. The loop is `specjax.train.loop.fit`: orbax checkpoints
-every N steps, and rerunning the same command resumes from the last one.
+Training: layers initialised from chosen target layers (or, with --init-draft, from an existing draft, whose
+d2t is kept), trained with AdamW (warmup + cosine) on the target's answers against its distribution restricted
+to the draft vocabulary, plus an optional cross-entropy on the target's greedy token. Two data sources:
+
+  --data FILE.npz    self-distillation data in memory (`specjax.train.data`): the target's top-k at each
+                     response step was recorded at generation.
+  --corpus DIR ...   token shards (`specjax.train.generate`), streamed (`specjax.train.corpus.CorpusBatches`):
+                     the soft targets come from the target's forward on device in each step
+                     (`specjax.train.corpus.device_targets`); the draft vocabulary is the training split's most
+                     frequent response tokens, the held-out evaluation reads the greedy answers of the held-out
+                     split, and a resumed run refuses a corpus whose shards changed.
+
+The loop is `specjax.train.loop.fit`: orbax checkpoints every N steps, and rerunning the same command resumes
+from the last one. Run: `python -m specjax.train.draft_model --data FILE | --corpus DIR --out DIR --steps N`.
 """
 from __future__ import annotations
 
@@ -204,13 +213,22 @@ _RUN_KEYS = ("data", "init_layers", "draft_vocab", "batch", "bucket", "steps", "
 
 def train(args) -> dict:
     """The training run described by the parsed arguments (see `main`). Returns the final summary."""
-    from specjax.models.loading import load_model
-    from specjax.train.data import load_dataset
-
     run = {k: getattr(args, k) for k in _RUN_KEYS}
     run["init_layers"] = list(run["init_layers"])
-    run["data"] = os.path.abspath(run["data"])
+    run["data"] = os.path.abspath(run["data"]) if run["data"] else None
+    # Keys a run from before these options never recorded are None there too, so such a run still resumes.
+    run["init_draft"] = os.path.abspath(args.init_draft) if args.init_draft else None
+    run["corpus"] = [os.path.abspath(c) for c in args.corpus] if args.corpus else None
+    if args.corpus:
+        from specjax.train.corpus import shard_hashes
+
+        run.update(corpus_shards=shard_hashes(args.corpus), max_len=args.max_len)
     check_run(args.out, run, DraftError)
+    if args.corpus:
+        return train_on_corpus(args)
+
+    from specjax.models.loading import load_model
+    from specjax.train.data import load_dataset
 
     arrays, meta = load_dataset(args.data)
     target = load_model(args.target, "float32", with_tokenizer=False)
@@ -220,16 +238,13 @@ def train(args) -> dict:
     eval_rows = np.flatnonzero(arrays["heldout"])
     if train_rows.size == 0:
         raise DraftError(f"{args.data}: no training sequences (every row is held out)")
-    d2t = cached_array(os.path.join(args.out, "d2t.npy"), lambda: select_draft_vocab(
-        arrays, args.draft_vocab, V, always=always_ids(meta), rows=train_rows))
-    config = draft_config(tcfg, len(args.init_layers))
+    config, params, d2t = initial_draft(args, tcfg, tparams, lambda size: select_draft_vocab(
+        arrays, size, V, always=always_ids(meta), rows=train_rows))
     frozen = {"embed": tparams["embed"], "head": jnp.take(tparams["embed"], jnp.asarray(d2t), axis=0).T}
     train_t = build_targets(arrays, d2t, V, train_rows)
     eval_t = build_targets(arrays, d2t, V, eval_rows) if eval_rows.size else None
-    params = init_from_target(tparams, tuple(args.init_layers))
     del tparams, target
 
-    optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
     per_epoch = len(make_batches(train_t["length"], args.batch, args.bucket, args.seed, 0))
 
     def batch_at(step):
@@ -240,32 +255,139 @@ def train(args) -> dict:
     def run_eval(p, step, final):
         return None if eval_t is None else evaluate(p, frozen, config, eval_t, args.eval_batch, args.hard_weight)
 
-    res = fit(functools.partial(update, config=config, optimizer=optimizer, hard_weight=args.hard_weight), params,
-              optimizer, schedule, frozen, batch_at, out=args.out, steps=args.steps,
-              checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
-              record=lambda m: {"loss": float(m["loss"]), "agree": float(m["agree"])}, evaluate=run_eval,
-              describe=lambda ev: f"held-out loss {ev['loss']:.3f} agree {ev['agree']:.3f} "
-                                  f"alpha {[a if a is None else round(a, 3) for a in ev['alpha'][:5]]}",
-              show=("loss", "agree"), progress=args.progress, desc="train", lr=args.lr, error=DraftError)
-
-    final_eval = last_eval(res.history)
+    res = _fit(args, config, params, frozen, batch_at, run_eval)
     summary = {
         "steps": args.steps, "train_sequences": int(train_t["tokens"].shape[0]),
         "heldout_sequences": int(eval_rows.size), "train_positions": int(train_t["mask"].sum()),
         "draft_vocab": int(d2t.size), "final_train_loss": train_mean(res.history, "loss"),
         "final_train_agree": train_mean(res.history, "agree"), "train_seconds_this_run": round(res.seconds, 1),
-        "heldout": final_eval, "data_meta": meta,
+        "heldout": last_eval(res.history), "data_meta": meta,
     }
+    return _export(args, config, frozen, res, d2t, summary, run_eval)
+
+
+def train_on_corpus(args) -> dict:
+    """`train` over token shards (`--corpus`): streamed batches whose soft targets (the target's top-k inside
+    the draft vocabulary, its greedy token, the response mask) the target computes on device in each step."""
+    from specjax.models.loading import load_model
+    from specjax.train.corpus import CorpusBatches, SOFT_TOP_K, device_targets, heldout_batches, open_for_target, \
+        t2o_table, tokenizer_always_ids, train_vocab
+
+    target = load_model(args.target, "float32")
+    tcfg, tparams = target.config, target.params
+    corpora = open_for_target(args.corpus, target)
+    V = tcfg.vocab_size
+    always = tokenizer_always_ids(target.tokenizer)
+    config, params, d2t = initial_draft(args, tcfg, tparams, lambda size: train_vocab(
+        corpora, size, V, always, os.path.join(args.out, "token_counts.npy"), error=DraftError))
+    frozen = {"embed": tparams["embed"], "head": jnp.take(tparams["embed"], jnp.asarray(d2t), axis=0).T}
+    ids, t2o = jnp.asarray(d2t), jnp.asarray(t2o_table(V, d2t))
+    top_k = min(SOFT_TOP_K, int(d2t.size))
+    loader = CorpusBatches(corpora, batch=args.batch, bucket=args.bucket, max_len=args.max_len, seed=args.seed,
+                           split="train")
+
+    def targets(hb: dict) -> dict:
+        return corpus_batch(device_targets(tparams, tcfg, hb, ids, t2o, layers=(), top_k=top_k, online=True))
+
+    tokens_seen = [0]
+
+    def batch_at(step):
+        hb = loader.batch_at(step)
+        tokens_seen[0] += int(hb["length"].sum())
+        return targets(hb)
+
+    held: list[list[dict]] = []  # the held-out batches' targets, computed at the first evaluation and kept
+
+    def run_eval(p, step, final):
+        if not held:
+            held.append([targets(hb) for hb in heldout_batches(corpora, batch=args.eval_batch, bucket=args.bucket,
+                                                                 max_len=args.max_len, limit=args.eval_batches)])
+        return evaluate_batches(p, frozen, config, held[0], args.hard_weight) if held[0] else None
+
+    res = _fit(args, config, params, frozen, batch_at, run_eval)
+    secs = res.seconds
+    summary = {
+        "steps": args.steps, "corpus": {c.root: c.totals() for c in corpora}, "draft_vocab": int(d2t.size),
+        "init_draft": args.init_draft, "final_train_loss": train_mean(res.history, "loss"),
+        "final_train_agree": train_mean(res.history, "agree"), "train_seconds_this_run": round(secs, 1),
+        "train_tokens_per_s_this_run": round(tokens_seen[0] / secs, 1) if secs > 0 else None,
+        "heldout": last_eval(res.history),
+    }
+    return _export(args, config, frozen, res, d2t, summary, run_eval,
+                   corpus=[os.path.basename(os.path.normpath(c)) for c in args.corpus])
+
+
+def corpus_batch(d: dict) -> dict:
+    """The loss's batch from `device_targets` output: every position p of tokens [B, T] is scored (pos [B, T]
+    = p), its targets are those of token p + 1 (soft_idx / soft_p [B, T, K], greedy_idx [B, T], mask [B, T])."""
+    B, T = d["tokens"].shape
+    return {"tokens": d["tokens"], "pos": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
+            "mask": d["mask"], "soft_idx": d["soft_idx"], "soft_p": d["soft_p"], "greedy_idx": d["greedy"]}
+
+
+def evaluate_batches(train: dict, frozen: dict, config: LlamaConfig, batches: list[dict], hard_weight: float,
+                     depth: int = 8) -> dict:
+    """`evaluate` over device batches in the `corpus_batch` layout (rows of different widths are padded):
+    held-out loss, top-1 agreement with the target's greedy token, and greedy chain acceptance."""
+    T = max(b["tokens"].shape[1] for b in batches)
+    total, matches, masks, greedy = 0.0, [], [], []
+    for b in batches:
+        loss, match = jax.device_get(eval_step(train, frozen, config, b, hard_weight))
+        pad = lambda a, fill: np.pad(np.asarray(a), ((0, 0), (0, T - a.shape[1])), constant_values=fill)
+        total += float(np.sum(loss))
+        matches.append(pad(match, False))
+        masks.append(pad(b["mask"], False))
+        greedy.append(pad(b["greedy_idx"], -1))
+    match, mask = np.concatenate(matches), np.concatenate(masks)
+    count = float(mask.sum())
+    in_vocab = float(np.sum((np.concatenate(greedy) >= 0) & mask) / max(count, 1))
+    return {"loss": total / max(count, 1), "agree": float(match.sum() / max(count, 1)), "positions": int(count),
+            "greedy_in_draft_vocab": in_vocab, **chain_acceptance(match, mask, depth)}
+
+
+def warm_start(path: str, target_params: dict) -> tuple[LlamaConfig, dict, np.ndarray]:
+    """(config, float32 {"layers", "final_norm"}, d2t [Vd]) of the draft at `path` (`load_draft`, which refuses a
+    draft made for another target's width or vocabulary)."""
+    config, p, d2t = load_draft(path, target_params, dtype=jnp.float32)
+    return config, {"layers": p["layers"], "final_norm": p["final_norm"]}, np.asarray(d2t)
+
+
+def initial_draft(args, tcfg: LlamaConfig, tparams: dict, vocab_of_size) -> tuple[LlamaConfig, dict, np.ndarray]:
+    """(draft config, trainable params, d2t [Vd]) a run starts from: the target's --init-layers and the
+    vocab_of_size(--draft-vocab) most frequent training ids, or with --init-draft that draft's weights and d2t.
+    d2t is kept in OUT/d2t.npy, so a resumed run keeps its first choice."""
+    if args.init_draft:
+        config, params, d2t = warm_start(args.init_draft, tparams)
+        return config, params, cached_array(os.path.join(args.out, "d2t.npy"), lambda: d2t)
+    d2t = cached_array(os.path.join(args.out, "d2t.npy"), lambda: vocab_of_size(args.draft_vocab))
+    return draft_config(tcfg, len(args.init_layers)), init_from_target(tparams, tuple(args.init_layers)), d2t
+
+
+def _fit(args, config: LlamaConfig, params: dict, frozen: dict, batch_at, run_eval):
+    """The one training loop (`loop.fit`) with this trainer's step, whichever data source feeds it."""
+    optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
+    return fit(functools.partial(update, config=config, optimizer=optimizer, hard_weight=args.hard_weight), params,
+               optimizer, schedule, frozen, batch_at, out=args.out, steps=args.steps,
+               checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+               record=lambda m: {"loss": float(m["loss"]), "agree": float(m["agree"])}, evaluate=run_eval,
+               describe=lambda ev: f"held-out loss {ev['loss']:.3f} agree {ev['agree']:.3f} "
+                                   f"alpha {[a if a is None else round(a, 3) for a in ev['alpha'][:5]]}",
+               show=("loss", "agree"), progress=args.progress, desc="train", lr=args.lr, error=DraftError, stop_at=args.stop_at)
+
+
+def _export(args, config: LlamaConfig, frozen: dict, res, d2t: np.ndarray, summary: dict, run_eval, **meta) -> dict:
+    """Write the draft (OUT/draft or --export), its curve and OUT/summary.json; return the summary."""
+    final_eval = summary["heldout"]
     export = args.export or os.path.join(args.out, "draft")
     save_draft(export, config, res.params, d2t,
                {"target": args.target, "steps": args.steps, "init_layers": list(args.init_layers),
-                "heldout_top1_agreement": final_eval["agree"] if final_eval else None})
+                "heldout_top1_agreement": final_eval["agree"] if final_eval else None, **meta})
     plot_curve(res.history, os.path.join(export, "training_curve.png"))
-    if eval_t is not None:
+    if final_eval is not None:
         # What ships is bf16: measure the exported weights themselves, as the drafter will load them.
         _, shipped, _ = load_draft(export, {"embed": frozen["embed"]})
-        summary["heldout_exported"] = evaluate({"layers": shipped["layers"], "final_norm": shipped["final_norm"]},
-                                               frozen, config, eval_t, args.eval_batch, args.hard_weight)
+        summary["heldout_exported"] = run_eval({"layers": shipped["layers"], "final_norm": shipped["final_norm"]},
+                                               args.steps, True)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
@@ -300,7 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line options (also read by `specjax train-head` to check YAML keys)."""
     ap = argparse.ArgumentParser(prog="python -m specjax.train.draft_model",
                                  description="Distil a small draft model from the target; rerun to resume.")
-    ap.add_argument("--data", required=True, help=".npz from `python -m specjax.train.data`")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help=".npz from `python -m specjax.train.data` (small, in memory)")
+    src.add_argument("--corpus", nargs="+", help="token-shard corpus directories from `python -m "
+                                                 "specjax.train.generate` (streamed), e.g. OUT/responses")
+    ap.add_argument("--max-len", type=int, default=0,
+                    help="--corpus: use only the first N tokens of each sequence (0 = all)")
+    ap.add_argument("--eval-batches", type=int, default=32, help="--corpus: held-out batches per evaluation")
     ap.add_argument("--out", required=True, help="run directory (checkpoints, metrics, d2t, exported draft)")
     ap.add_argument("--export", default=None, help="where to write the draft directory (default OUT/draft)")
     ap.add_argument("--target", default="smollm2-135m")
@@ -315,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--init-layers", type=_layers_arg, default=(0, -1),
                     help="target layers copied into the draft (their count is the draft depth)")
     ap.add_argument("--draft-vocab", type=int, default=12288)
+    ap.add_argument("--init-draft", default=None,
+                    help="start from this draft's weights (a directory of `specjax.models.draft_io`, e.g. a shipped "
+                         "draft) instead of target layers; it keeps its d2t (--init-layers and --draft-vocab unused)")
     add_loop_options(ap, checkpoint_every=100, eval_every=200, eval_batch=8)
     return ap
 
@@ -322,8 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    if min(args.steps, args.batch, args.bucket, args.checkpoint_every, args.eval_every) < 1:
-        ap.error("--steps, --batch, --bucket, --checkpoint-every and --eval-every must be >= 1")
+    if min(args.steps, args.batch, args.bucket, args.checkpoint_every, args.eval_every, args.eval_batches) < 1:
+        ap.error("--steps, --batch, --bucket, --checkpoint-every, --eval-every and --eval-batches must be >= 1")
+    if args.max_len < 0 or (args.max_len and not args.corpus):
+        ap.error("--max-len cuts the sequences of a --corpus (N >= 0); an .npz keeps its own lengths")
     return args
 
 

@@ -253,7 +253,7 @@ def evaluate(train, frozen_eval, cfg, arrays, feats, targets, rows, unroll, batc
 # ============================================================================================ run
 _RUN_KEYS = ("kind", "data", "target", "steps", "batch", "bucket", "lr", "warmup", "weight_decay", "clip", "unroll",
              "init_layer", "draft_vocab", "loss_vocab", "feature_layers", "ce_weight", "reg_weight", "step_decay",
-             "seed", "max_len", "corpus", "loss", "features")
+             "seed", "max_len", "corpus", "loss", "features", "init_head")
 
 
 def train(args) -> dict:
@@ -264,6 +264,7 @@ def train(args) -> dict:
     run = {k: getattr(args, k) for k in _RUN_KEYS}
     run["data"] = os.path.abspath(run["data"]) if run["data"] else None
     run["corpus"] = [os.path.abspath(c) for c in run["corpus"] or ()]
+    run["init_head"] = os.path.abspath(run["init_head"]) if run["init_head"] else None
     run["feature_layers"] = list(run["feature_layers"] or ())
     if args.corpus:
         # The shards themselves, not only their directory: a corpus that grew since the run started would
@@ -288,9 +289,6 @@ def train(args) -> dict:
     eval_rows = np.flatnonzero(arrays["heldout"] & (arrays["temperature"] == 0))
     if train_rows.size == 0:
         raise HeadTrainError(f"{args.data}: no training sequences (every row is held out)")
-    size = args.draft_vocab if args.kind == "eagle3" else (args.loss_vocab or V)
-    vocab = cached_array(os.path.join(args.out, "vocab.npy"), lambda: select_vocab(
-        arrays, min(size, V), V, always=always_ids(meta), rows=train_rows))
     cache_path = args.features_cache or os.path.join(args.out, "features.npz")
     feats = load_or_compute_features(cache_path, args.data, args.target, tparams, tcfg, arrays, layers, args.progress,
                                      args.max_len)
@@ -298,20 +296,13 @@ def train(args) -> dict:
     if args.features_only:
         return {"features": cache_path, "seconds": round(t_feats, 1), "positions": int(arrays["length"].sum())}
 
-    cfg = head_config(tcfg, args.kind, draft_vocab_size=vocab.size if args.kind == "eagle3" else 0,
-                      feature_layers=layers if args.kind == "eagle3" else None)
-    params = init_from_target(cfg, tparams, args.init_layer, draft_ids=vocab if args.kind == "eagle3" else None)
-    draft_ids = params.pop("draft_ids", None)
-    embed = tparams["embed"]
-    full_head = tparams["lm_head"] if "lm_head" in tparams else embed.T
+    cfg, params, draft_ids, vocab, frozen, frozen_eval = build_head(
+        args, tcfg, tparams, layers, lambda size: cached_array(os.path.join(args.out, "vocab.npy"), lambda: select_vocab(
+            arrays, size, V, always=always_ids(meta), rows=train_rows)))
     if args.kind == "eagle":
-        # Training reads the LM head columns of the loss vocabulary only; evaluation reads all of them.
-        frozen = {"embed": embed, "lm_head": jnp.take(full_head, jnp.asarray(vocab), axis=1)}
-        frozen_eval = {"embed": embed, "lm_head": full_head}
         targets = position_targets(arrays, V, None if vocab.size == V else vocab)
         targets_eval = position_targets(arrays, V, None)
     else:
-        frozen = frozen_eval = {"embed": embed}
         targets = targets_eval = position_targets(arrays, V, vocab)
     del target
 
@@ -352,6 +343,52 @@ def train(args) -> dict:
     return _export(args, cfg, res, draft_ids, final_eval, summary)
 
 
+def build_head(args, tcfg, tparams: dict, layers: tuple, vocab_of_size):
+    """The head both trainers start from and the frozen target pieces its loss reads.
+
+    vocab_of_size(n) -> the n most frequent training ids [n] (the EAGLE-3 draft vocabulary, or EAGLE-1/2's loss
+    vocabulary). With --init-head the head's weights (and an EAGLE-3 head's draft vocabulary) come from that
+    head instead of the target: a warm start, e.g. a shipped head trained further on a larger corpus.
+    Returns (cfg, params without draft_ids, draft_ids [Vd] or None, vocab [Vo], frozen, frozen_eval): frozen holds
+    the target's embedding and (EAGLE-1/2) its LM head columns of the loss vocabulary, frozen_eval the whole LM
+    head, which evaluation reads as inference does."""
+    V = tcfg.vocab_size
+    if args.init_head:
+        cfg, params = warm_start(args.init_head, args.kind, tcfg, layers if args.feature_layers else None)
+        vocab = params["draft_ids"] if args.kind == "eagle3" else vocab_of_size(min(args.loss_vocab or V, V))
+    else:
+        vocab = vocab_of_size(min(args.draft_vocab if args.kind == "eagle3" else (args.loss_vocab or V), V))
+        cfg = head_config(tcfg, args.kind, draft_vocab_size=vocab.size if args.kind == "eagle3" else 0,
+                          feature_layers=layers if args.kind == "eagle3" else None)
+        params = init_from_target(cfg, tparams, args.init_layer, draft_ids=vocab if args.kind == "eagle3" else None)
+    draft_ids = params.pop("draft_ids", None)
+    embed = tparams["embed"]
+    full_head = tparams["lm_head"] if "lm_head" in tparams else embed.T
+    if args.kind == "eagle":
+        # Training reads the LM head columns of the loss vocabulary only; evaluation reads all of them.
+        frozen = {"embed": embed, "lm_head": jnp.take(full_head, jnp.asarray(vocab), axis=1)}
+        return cfg, params, draft_ids, np.asarray(vocab), frozen, {"embed": embed, "lm_head": full_head}
+    frozen = {"embed": embed}
+    return cfg, params, draft_ids, np.asarray(vocab), frozen, frozen
+
+
+def warm_start(path: str, kind: str, tcfg, layers: tuple | None) -> tuple[HeadConfig, dict]:
+    """(config, float32 params) of the head at `path`, checked against the run: same kind, the target's width
+    and vocabulary, and the asked feature layers (None = whichever the head reads)."""
+    from specjax.heads.eagle_io import load_head
+
+    cfg, params = load_head(path, tcfg)
+    if not isinstance(cfg, HeadConfig) or cfg.kind != kind:
+        raise HeadTrainError(f"--init-head {path}: a {getattr(cfg, 'kind', type(cfg).__name__)!r} head cannot start "
+                             f"a {kind!r} run; give a head of the same kind")
+    if layers is not None and cfg.kind == "eagle3" and tuple(cfg.feature_layers) != tuple(layers):
+        raise HeadTrainError(f"--init-head {path}: the head fuses target layers {list(cfg.feature_layers)}, the run "
+                             f"asks for {list(layers)}; drop --feature-layers or give a matching head")
+    params = jax.tree.map(lambda a: jnp.array(a, jnp.int32 if np.asarray(a).dtype.kind in "iu" else jnp.float32),
+                          params)
+    return cfg, params
+
+
 def _fit(args, cfg: HeadConfig, params, frozen, batch_at, record, run_eval):
     """The one training loop (`loop.fit`) with this trainer's step, whichever data source feeds it."""
     optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
@@ -362,7 +399,7 @@ def _fit(args, cfg: HeadConfig, params, frozen, batch_at, record, run_eval):
                describe=lambda ev: f"held-out top1 {[round(a, 3) for a in ev['top1']]} "
                                    f"alpha {[round(a, 3) for a in ev['alpha']]} tau(chain) {ev['tau_chain']:.2f}",
                show=("loss", "top1"), progress=args.progress, desc=f"train {args.kind}", lr=args.lr,
-               error=HeadTrainError)
+               error=HeadTrainError, stop_at=args.stop_at)
 
 
 def _export(args, cfg: HeadConfig, res, draft_ids, final_eval, summary: dict, **meta) -> dict:
@@ -408,7 +445,13 @@ def train_on_corpus(args) -> dict:
     corpora = open_corpus(args.corpus, tokenizer_sha=tokenizer_fingerprint(tok),
                           target_sha=target_fingerprint(tcfg, tparams))
     V = tcfg.vocab_size
-    layers = tuple(args.feature_layers or default_eagle3_layers(tcfg.num_layers))
+    always = sorted({0, 1, 2, *tok.stop_token_ids})
+    cfg, params, draft_ids, vocab, frozen, frozen_eval = build_head(
+        args, tcfg, tparams, tuple(args.feature_layers or default_eagle3_layers(tcfg.num_layers)),
+        lambda size: vocab_from_counts(cached_array(os.path.join(args.out, "token_counts.npy"),
+                                                    lambda: count_tokens(corpora, V, "train")), size, always))
+    # A warm-started head reads its own layers; recorded features only serve a run that reads the same ones.
+    layers = tuple(cfg.feature_layers or args.feature_layers or default_eagle3_layers(tcfg.num_layers))
     recorded = all(c.feature_width for c in corpora)
     online = args.features == "online" or (args.features == "auto" and not recorded)
     if not online:
@@ -417,25 +460,10 @@ def train_on_corpus(args) -> dict:
             if c.manifest.get("features") != want:
                 raise HeadTrainError(f"{c.root}: its recorded features are {c.manifest.get('features')}, this run "
                                      f"needs {want}; use --features online or the corpus's layers")
-    always = sorted({0, 1, 2, *tok.stop_token_ids})
-    counts = cached_array(os.path.join(args.out, "token_counts.npy"), lambda: count_tokens(corpora, V, "train"))
-    size = args.draft_vocab if args.kind == "eagle3" else (args.loss_vocab or V)
-    vocab = vocab_from_counts(counts, min(size, V), always)
-    cfg = head_config(tcfg, args.kind, draft_vocab_size=vocab.size if args.kind == "eagle3" else 0,
-                      feature_layers=layers if args.kind == "eagle3" else None)
-    params = init_from_target(cfg, tparams, args.init_layer, draft_ids=vocab if args.kind == "eagle3" else None)
-    draft_ids = params.pop("draft_ids", None)
-    embed = tparams["embed"]
-    full_head = tparams["lm_head"] if "lm_head" in tparams else embed.T
     t2o = jnp.asarray(t2o_table(V, None if vocab.size == V else vocab))
-    t2o_full = jnp.asarray(t2o_table(V, None))
-    ids, ids_full = jnp.asarray(vocab), jnp.arange(V, dtype=jnp.int32)
-    if args.kind == "eagle":
-        frozen = {"embed": embed, "lm_head": jnp.take(full_head, jnp.asarray(vocab), axis=1)}
-        frozen_eval, vocab_eval = {"embed": embed, "lm_head": full_head}, (ids_full, t2o_full)
-    else:
-        frozen = frozen_eval = {"embed": embed}
-        vocab_eval = (ids, t2o)
+    ids = jnp.asarray(vocab)
+    vocab_eval = (jnp.arange(V, dtype=jnp.int32), jnp.asarray(t2o_table(V, None))) if args.kind == "eagle" \
+        else (ids, t2o)
     mesh = _mesh(args.mesh)
     if mesh is not None and args.batch % args.mesh:
         raise HeadTrainError(f"--batch {args.batch} must be a multiple of --mesh {args.mesh}")
@@ -573,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="unroll steps in training (default 2 for eagle, 4 for eagle3: training-time test)")
     ap.add_argument("--eval-unroll", type=int, default=5, help="unroll steps measured on the held-out split")
     ap.add_argument("--init-layer", type=int, default=-1, help="target layer the head's decoder layer starts from")
+    ap.add_argument("--init-head", default=None,
+                    help="start from this head's weights (a directory in any supported head format, e.g. a shipped "
+                         "head) instead of the target's layer; an EAGLE-3 head keeps its draft vocabulary")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: draft vocabulary size")
     ap.add_argument("--loss-vocab", type=int, default=8192,
                     help="eagle: tokens the training cross-entropy normalises over (0 = the full vocabulary)")

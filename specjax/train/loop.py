@@ -77,7 +77,7 @@ def fit(update: Callable, params, optimizer, schedule, frozen, batch_at: Callabl
         evaluate: Callable[[Any, int, bool], dict | None] | None = None,
         describe: Callable[[dict], str] | None = None, show: Sequence[str] = ("loss",), progress: bool = True,
         desc: str = "train", lr: float | None = None, params_key: str = "params",
-        error: type[Exception] = TrainError) -> LoopResult:
+        error: type[Exception] = TrainError, stop_at: int | None = None) -> LoopResult:
     """Train `params` for `steps` steps in run directory `out`, resuming from its last checkpoint.
 
     update: pure (params, opt_state, frozen, batch) -> (params, opt_state, metrics); jitted here once.
@@ -88,6 +88,8 @@ def fit(update: Callable, params, optimizer, schedule, frozen, batch_at: Callabl
     step 0 of a fresh run, every `eval_every` steps and at the last (final=True). describe(eval record): the
     line the progress bar prints after an evaluation. show: record entries on the bar (smoothed).
     params_key: the checkpoint's name for the params. error: raised when the loss becomes NaN or infinite.
+    stop_at: end this invocation after that step (checkpointed, with a final evaluation) while the schedule
+    stays the one of `steps`: a long run can be cut into sessions, and rerunning without it goes on to `steps`.
     """
     import orbax.checkpoint as ocp
     from tqdm import tqdm
@@ -103,6 +105,10 @@ def fit(update: Callable, params, optimizer, schedule, frozen, batch_at: Callabl
         params, opt_state = restored[params_key], restored["opt"]
     metrics_path = os.path.join(out, "metrics.jsonl")
     history = read_metrics(metrics_path, start)
+    end = steps if stop_at is None else min(stop_at, steps)
+    if start > end:
+        raise error(f"{out} is already at step {start}, past --stop-at {stop_at}; stop at a later step or drop "
+                    "--stop-at")
 
     def log(rec):
         history.append(rec)
@@ -112,7 +118,7 @@ def fit(update: Callable, params, optimizer, schedule, frozen, batch_at: Callabl
     def run_eval(step, final):
         ev = evaluate(params, step, final) if evaluate is not None else None
         if ev is not None:
-            log({"kind": "eval", "step": step, **ev})
+            log({"kind": "eval", "step": step, "final": bool(final), **ev})
         return ev
 
     if start == 0 and not any(r["kind"] == "eval" for r in history):
@@ -120,7 +126,7 @@ def fit(update: Callable, params, optimizer, schedule, frozen, batch_at: Callabl
     bar = tqdm(total=steps, initial=start, desc=desc, unit="step", disable=not progress)
     ema: dict[str, Any] = {}
     t0 = time.perf_counter()
-    for step in range(start, steps):
+    for step in range(start, end):
         params, opt_state, m = step_fn(params, opt_state, frozen, batch_at(step))
         rec = record(jax.device_get(m))
         if not math.isfinite(rec["loss"]):
@@ -133,16 +139,17 @@ def fit(update: Callable, params, optimizer, schedule, frozen, batch_at: Callabl
             v = np.asarray(rec[k], np.float64)
             ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
         bar.set_postfix({k: _fmt(v) for k, v in ema.items()})
-        if done % eval_every == 0 or done == steps:
-            ev = run_eval(done, done == steps)
+        if done % eval_every == 0 or done == end:
+            ev = run_eval(done, done == end)
             if ev is not None and describe is not None:
                 bar.write(f"step {done}: {describe(ev)}")
-        mngr.save(done, args=ocp.args.StandardSave({params_key: params, "opt": opt_state}), force=done == steps)
+        mngr.save(done, args=ocp.args.StandardSave({params_key: params, "opt": opt_state}), force=done == end)
     bar.close()
     mngr.wait_until_finished()
-    # A run killed between its last checkpoint and its last evaluation has no final evaluation yet.
-    if start == steps and not any(r["kind"] == "eval" and r["step"] == steps for r in history):
-        run_eval(steps, True)
+    # A run killed between its last checkpoint and its last evaluation (or stopped at a checkpoint by a rerun
+    # with --stop-at) has no final evaluation yet.
+    if start == end and not any(r["kind"] == "eval" and r["step"] == end and r.get("final") for r in history):
+        run_eval(end, True)
     return LoopResult(params, history, start, time.perf_counter() - t0)
 
 
@@ -153,6 +160,9 @@ def add_loop_options(ap, *, checkpoint_every: int, eval_every: int, eval_batch: 
     ap.add_argument("--eval-every", type=int, default=eval_every)
     ap.add_argument("--eval-batch", type=int, default=eval_batch)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stop-at", type=int, default=None,
+                    help="end this invocation after step N (checkpointed, evaluated and exported) with the schedule "
+                         "of --steps unchanged; rerun without it to go on")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
 
 

@@ -18,9 +18,15 @@ evaluated.
    top-1 accuracy, metrics.jsonl, and at the end a held-out evaluation (top-k rank accuracy per head, which `drafters.medusa.choices_from_accuracy` turns into
    the default tree), the exported heads (specjax layout, bf16) and a PNG of the training curves.
 
-Run: python -m specjax.train.medusa --data DATA.npz --out DIR [--steps N ...]   (see --help)
+Data from a token-shard corpus instead (`--corpus DIR ...`, `specjax.train.generate`): batches of whole
+sequences are streamed (`specjax.train.corpus.CorpusBatches`), the final hidden state is read from the corpus's
+recorded features or computed by the target in each step (`--features`), and the soft targets come from the
+target's LM head on device (`specjax.train.corpus.device_targets`); every response position of a batch trains
+(`corpus_head_batch`), the draft vocabulary is the training split's most frequent response tokens, the held-out
+evaluation reads the greedy answers of the held-out split, and a resumed run refuses a corpus whose shards changed.
+
+Run: python -m specjax.train.medusa --data DATA.npz | --corpus DIR --out DIR [--steps N ...]   (see --help)
 """
-from __future__ import annotations
 from __future__ import annotations
 
 import argparse
@@ -209,7 +215,12 @@ def evaluate(blocks, lm, feats, targets: dict, batch: int, hard_weight: float, r
         losses.append(np.asarray(loss)[:keep])
         masks.append(np.asarray(mask)[:keep])
         hits.append(np.asarray(hit)[:keep])
-    loss, mask, hit = np.concatenate(losses), np.concatenate(masks), np.concatenate(hits)
+    return summarise_eval(np.concatenate(losses), np.concatenate(masks), np.concatenate(hits))
+
+
+def summarise_eval(loss: np.ndarray, mask: np.ndarray, hit: np.ndarray) -> dict:
+    """The held-out record from per-position results: loss [P, K], mask [P, K] (head k has a target), hit
+    [P, K, ranks] (rank r of head k is the target's token). See `evaluate`."""
     count = np.maximum(mask.sum(0), 1)
     acc = hit.sum(0) / count[:, None]  # [K, ranks]
     top1 = hit[..., 0]
@@ -229,6 +240,46 @@ def _device_batch(feats, targets: dict, idx: np.ndarray):
     return jnp.asarray(x), {k: jnp.asarray(targets[k][idx]) for k in ("hard", "soft_idx", "soft_p")}
 
 
+# ============================================================================================ corpus
+@functools.partial(jax.jit, static_argnames=("num_heads",))
+def corpus_head_batch(d: dict, num_heads: int):
+    """The heads' batch from `device_targets` output, every position of the [B, T] batch as one row.
+
+    Position p's feature (the target's final hidden state, which predicts token p + 1) gives head k (1..K) the
+    token p + 1 + k: the target's greedy token there and its top-S distribution at position p + k, both in the
+    draft vocabulary; the row counts only where p and p + k predict response tokens.
+    Returns (x [B*T, H] float32, {"hard" [B*T, K] (-1: no target), "soft_idx"/"soft_p" [B*T, K, S]}).
+    """
+    from specjax.train.corpus import shifted
+
+    final, mask, greedy = d["final"], d["mask"], d["greedy"]
+    B, T, H = final.shape
+    hard, soft_idx, soft_p = [], [], []
+    for k in range(1, num_heads + 1):
+        ok = mask & shifted(mask, k, False)
+        hard.append(jnp.where(ok, shifted(greedy, k, -1), -1))
+        soft_idx.append(shifted(d["soft_idx"], k))
+        soft_p.append(shifted(d["soft_p"], k))
+    S = d["soft_idx"].shape[-1]
+    return final.reshape(B * T, H), {"hard": jnp.stack(hard, -1).reshape(B * T, num_heads),
+                                     "soft_idx": jnp.stack(soft_idx, 2).reshape(B * T, num_heads, S),
+                                     "soft_p": jnp.stack(soft_p, 2).reshape(B * T, num_heads, S)}
+
+
+def evaluate_batches(blocks, lm, batches, hard_weight: float, ranks: int = EVAL_RANKS) -> dict | None:
+    """`evaluate` over device batches (x, targets) of `corpus_head_batch`; None when no position has a target."""
+    losses, masks, hits = [], [], []
+    for x, b in batches:
+        loss, mask, hit = jax.device_get(eval_step(blocks, lm, x, b, ranks=ranks, hard_weight=hard_weight))
+        keep = mask[:, 0]  # head 1 has a target wherever a later head has one
+        losses.append(loss[keep])
+        masks.append(mask[keep])
+        hits.append(hit[keep])
+    if not masks or not sum(m.shape[0] for m in masks):
+        return None
+    return summarise_eval(np.concatenate(losses), np.concatenate(masks), np.concatenate(hits))
+
+
 # ============================================================================================ run
 _RUN_KEYS = ("data", "target", "heads", "layers", "draft_vocab", "batch", "steps", "lr", "warmup", "weight_decay",
              "hard_weight", "seed")
@@ -236,20 +287,26 @@ _RUN_KEYS = ("data", "target", "heads", "layers", "draft_vocab", "batch", "steps
 
 def train(args) -> dict:
     """The run described by the parsed arguments (see `parse_args`). Returns the summary (also in summary.json)."""
-    from specjax.drafters.medusa import choices_from_accuracy, expected_accepted
-    from specjax.heads.medusa_io import save_medusa
     from specjax.models.loading import load_model
     from specjax.train.data import load_dataset
 
     t_start = time.perf_counter()
     run = {k: getattr(args, k) for k in _RUN_KEYS}
-    run["data"] = [os.path.abspath(d) for d in args.data]
+    run["data"] = [os.path.abspath(d) for d in args.data] if args.data else None
+    # None in a run from before --corpus existed too, so such a run still resumes.
+    run["corpus"] = [os.path.abspath(c) for c in args.corpus] if args.corpus else None
+    if args.corpus:
+        from specjax.train.corpus import shard_hashes
+
+        run.update(corpus_shards=shard_hashes(args.corpus), max_len=args.max_len, features=args.features)
     check_run(args.out, run, MedusaTrainError)
+    if args.corpus:
+        return train_on_corpus(args)
 
     arrays, meta = _load_all(args.data, load_dataset)
     target = load_model(args.target, "float32", with_tokenizer=False)
     tcfg, tparams = target.config, target.params
-    V, H = tcfg.vocab_size, tcfg.hidden_size
+    V = tcfg.vocab_size
     train_rows = np.flatnonzero(~arrays["heldout"])
     eval_rows = np.flatnonzero(arrays["heldout"])
     if train_rows.size == 0:
@@ -270,17 +327,12 @@ def train(args) -> dict:
             arrays, args.draft_vocab, V, always_ids(meta), rows=train_rows, what="--draft-vocab"))
         t2d = np.full(V, -1, np.int32)
         t2d[token_map] = np.arange(token_map.size, dtype=np.int32)
-    hcfg = MedusaConfig(num_heads=args.heads, hidden_size=H, vocab_size=V, num_layers=args.layers,
-                        draft_vocab_size=None if token_map is None else int(token_map.size))
-    lm = target_lm_rows(tparams, None if token_map is None else jnp.asarray(token_map))  # [Vd, H] frozen
-    lm = jnp.array(lm, jnp.float32)
+    hcfg, lm, blocks = _start(args, tcfg, tparams, token_map)
     del tparams, target
     train_t = build_targets(arrays, train_rows, args.heads, t2d)
     eval_t = build_targets(arrays, eval_rows, args.heads, t2d) if eval_rows.size else None
     in_vocab = float(np.mean(train_t["hard"][:, 0] >= 0))
 
-    optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
-    blocks = init_heads(hcfg, jax.random.PRNGKey(args.seed), jnp.float32, token_map=token_map)["blocks"]
     P = train_t["row"].shape[0]
     per_epoch = max(1, P // args.batch)
 
@@ -292,22 +344,7 @@ def train(args) -> dict:
     def run_eval(p, step, final):
         return None if eval_t is None else evaluate(p, lm, feats, eval_t, args.eval_batch, args.hard_weight)
 
-    def record(m):
-        return {"loss": float(m["loss"]), "head_loss": np.asarray(m["head_loss"]).tolist(),
-                "top1": np.asarray(m["top1"]).tolist()}
-
-    step = functools.partial(update, optimizer=optimizer, hard_weight=args.hard_weight)
-    res = fit(lambda b, o, lm_, xb: step(b, o, lm_, *xb), blocks, optimizer, schedule, lm, batch_at, out=args.out,
-              steps=args.steps, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, record=record,
-              evaluate=run_eval, show=("loss", "top1"), progress=args.progress, desc="train medusa", lr=args.lr,
-              describe=lambda ev: f"held-out loss {ev['loss']:.3f} top1 {[round(a, 3) for a in ev['top1']]}",
-              params_key="blocks", error=MedusaTrainError)
-
-    final_eval = last_eval(res.history)
-    choices = choices_from_accuracy(np.asarray(final_eval["rank_accuracy"]), args.tree_nodes) if final_eval else None
-    params = {"blocks": res.params}
-    if token_map is not None:
-        params["token_map"] = jnp.asarray(token_map, jnp.int32)
+    res = _fit(args, blocks, lm, batch_at, run_eval)
     summary = {
         "steps": args.steps, "resumed_from_step": res.start, "train_sequences": int(train_rows.size),
         "heldout_sequences": int(eval_rows.size),
@@ -317,14 +354,131 @@ def train(args) -> dict:
         "final_train_top1": train_mean(res.history, "top1"),
         "feature_seconds_this_run": round(feature_seconds, 1), "train_seconds_this_run": round(res.seconds, 1),
         "total_seconds_this_run": round(time.perf_counter() - t_start, 1),
-        "heldout": final_eval, "tree_choices": [list(c) for c in choices] if choices else None,
-        "tree_expected_accepted": expected_accepted(final_eval["rank_accuracy"], choices) if choices else None,
-        "data_meta": meta,
+        "heldout": last_eval(res.history), "data_meta": meta,
     }
+    return _export(args, hcfg, res, token_map, summary)
+
+
+def train_on_corpus(args) -> dict:
+    """`train` over token shards (`--corpus`): streamed batches of whole sequences whose features (the target's
+    final hidden state, recorded in the corpus or computed online) and soft targets the target gives on device."""
+    from specjax.models.loading import load_model
+    from specjax.train.corpus import CorpusBatches, SOFT_TOP_K, device_targets, heldout_batches, open_for_target, \
+        t2o_table, tokenizer_always_ids, train_vocab
+
+    t_start = time.perf_counter()
+    target = load_model(args.target, "float32")
+    tcfg, tparams = target.config, target.params
+    corpora = open_for_target(args.corpus, target)
+    V = tcfg.vocab_size
+    counts_path = os.path.join(args.out, "token_counts.npy")
+    token_map = None
+    if args.draft_vocab:
+        token_map = cached_array(os.path.join(args.out, "token_map.npy"), lambda: train_vocab(
+            corpora, args.draft_vocab, V, tokenizer_always_ids(target.tokenizer), counts_path,
+            error=MedusaTrainError))
+    online = _online(args.features, corpora)
+    hcfg, lm, blocks = _start(args, tcfg, tparams, token_map)
+    ids = jnp.arange(V, dtype=jnp.int32) if token_map is None else jnp.asarray(token_map)
+    t2o = jnp.asarray(t2o_table(V, token_map))
+    top_k = min(SOFT_TOP_K, int(ids.shape[0]))
+    loader = CorpusBatches(corpora, batch=args.batch, bucket=args.bucket, max_len=args.max_len, seed=args.seed,
+                           split="train", features=not online)
+
+    def head_batch(hb: dict):
+        d = device_targets(tparams, tcfg, hb, ids, t2o, layers=(), top_k=top_k, online=online)
+        return corpus_head_batch(d, num_heads=args.heads)
+
+    tokens_seen = [0]
+
+    def batch_at(step):
+        hb = loader.batch_at(step)
+        tokens_seen[0] += int(hb["length"].sum())
+        return head_batch(hb)
+
+    def run_eval(p, step, final):
+        held = heldout_batches(corpora, batch=args.batch, bucket=args.bucket, max_len=args.max_len,
+                               limit=args.eval_batches, features=not online)
+        return evaluate_batches(p, lm, (head_batch(hb) for hb in held), args.hard_weight)
+
+    res = _fit(args, blocks, lm, batch_at, run_eval)
+    secs = res.seconds
+    in_vocab = None
+    if token_map is not None and os.path.exists(counts_path):
+        counts = np.load(counts_path)
+        in_vocab = float(counts[token_map].sum() / max(int(counts.sum()), 1))
+    summary = {
+        "steps": args.steps, "resumed_from_step": res.start, "features": "online" if online else "recorded",
+        "corpus": {c.root: c.totals() for c in corpora},
+        "draft_vocab": None if token_map is None else int(token_map.size),
+        "train_targets_in_draft_vocab": in_vocab, "final_train_loss": train_mean(res.history, "loss"),
+        "final_train_head_loss": train_mean(res.history, "head_loss"),
+        "final_train_top1": train_mean(res.history, "top1"), "train_seconds_this_run": round(secs, 1),
+        "train_tokens_per_s_this_run": round(tokens_seen[0] / secs, 1) if secs > 0 else None,
+        "total_seconds_this_run": round(time.perf_counter() - t_start, 1), "heldout": last_eval(res.history),
+    }
+    return _export(args, hcfg, res, token_map, summary,
+                   corpus=[os.path.basename(os.path.normpath(c)) for c in args.corpus])
+
+
+def _online(mode: str, corpora) -> bool:
+    """Whether the target's final hidden state is computed in each step (online) or read from the corpus
+    (recorded features start with it): auto reads it when every corpus has its feature files here."""
+    from specjax.train.corpus import recorded_features
+
+    if mode == "recorded":
+        bad = [c.root for c in corpora if not c.feature_width or (c.manifest.get("features") or [None])[0] != "final"]
+        if bad:
+            raise MedusaTrainError(f"--features recorded: {', '.join(bad)} holds no recorded final hidden states; "
+                                   "use --features online (or auto) or regenerate with --features")
+        return False
+    return mode == "online" or not (recorded_features(corpora)
+                                    and all((c.manifest.get("features") or [None])[0] == "final" for c in corpora))
+
+
+def _start(args, tcfg, tparams: dict, token_map: np.ndarray | None):
+    """(config, frozen LM head rows lm [Vd, H] float32, zero-initialised blocks) of a run."""
+    hcfg = MedusaConfig(num_heads=args.heads, hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
+                        num_layers=args.layers, draft_vocab_size=None if token_map is None else int(token_map.size))
+    lm = jnp.array(target_lm_rows(tparams, None if token_map is None else jnp.asarray(token_map)), jnp.float32)
+    blocks = init_heads(hcfg, jax.random.PRNGKey(args.seed), jnp.float32, token_map=token_map)["blocks"]
+    return hcfg, lm, blocks
+
+
+def _fit(args, blocks, lm, batch_at, run_eval):
+    """The one training loop (`loop.fit`) with this trainer's step, whichever data source feeds it; a batch is
+    (features x [P, H], targets)."""
+    optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
+
+    def record(m):
+        return {"loss": float(m["loss"]), "head_loss": np.asarray(m["head_loss"]).tolist(),
+                "top1": np.asarray(m["top1"]).tolist()}
+
+    step = functools.partial(update, optimizer=optimizer, hard_weight=args.hard_weight)
+    return fit(lambda b, o, lm_, xb: step(b, o, lm_, *xb), blocks, optimizer, schedule, lm, batch_at, out=args.out,
+               steps=args.steps, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, record=record,
+               evaluate=run_eval, show=("loss", "top1"), progress=args.progress, desc="train medusa", lr=args.lr,
+               describe=lambda ev: f"held-out loss {ev['loss']:.3f} top1 {[round(a, 3) for a in ev['top1']]}",
+               params_key="blocks", error=MedusaTrainError, stop_at=args.stop_at)
+
+
+def _export(args, hcfg: MedusaConfig, res, token_map: np.ndarray | None, summary: dict, **meta) -> dict:
+    """The default tree from the final held-out rank accuracy, the heads (OUT/heads or --export, bf16), their
+    curves and OUT/summary.json; returns the summary."""
+    from specjax.drafters.medusa import choices_from_accuracy, expected_accepted
+    from specjax.heads.medusa_io import save_medusa
+
+    final_eval = summary["heldout"]
+    choices = choices_from_accuracy(np.asarray(final_eval["rank_accuracy"]), args.tree_nodes) if final_eval else None
+    summary["tree_choices"] = [list(c) for c in choices] if choices else None
+    summary["tree_expected_accepted"] = expected_accepted(final_eval["rank_accuracy"], choices) if choices else None
+    params = {"blocks": res.params}
+    if token_map is not None:
+        params["token_map"] = jnp.asarray(token_map, jnp.int32)
     export = args.export or os.path.join(args.out, "heads")
     info = {"tree_choices": summary["tree_choices"], "heads_trained_steps": args.steps,
             "heldout_top1": final_eval["top1"] if final_eval else None,
-            "heldout_rank_accuracy": final_eval["rank_accuracy"] if final_eval else None}
+            "heldout_rank_accuracy": final_eval["rank_accuracy"] if final_eval else None, **meta}
     save_medusa(export, hcfg, params, layout="specjax", base_model=args.target, dtype="bfloat16", info=info)
     plot_curves(res.history, os.path.join(export, "training_curve.png"))
     with open(os.path.join(args.out, "summary.json"), "w") as f:
@@ -387,7 +541,19 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line options (also read by `specjax train-head` to check YAML keys)."""
     ap = argparse.ArgumentParser(prog="python -m specjax.train.medusa",
                                  description="Train Medusa heads on self-distillation data; rerun to resume.")
-    ap.add_argument("--data", nargs="+", required=True, help="one or more .npz from `python -m specjax.train.data`")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", nargs="+", help="one or more .npz from `python -m specjax.train.data` (in memory)")
+    src.add_argument("--corpus", nargs="+", help="token-shard corpus directories from `python -m "
+                                                 "specjax.train.generate` (streamed), e.g. OUT/responses")
+    ap.add_argument("--features", choices=("auto", "recorded", "online"), default="auto",
+                    help="--corpus: the target's final hidden state from the corpus (recorded) or the target's "
+                         "forward in each step (online); auto = recorded when every corpus has them")
+    ap.add_argument("--max-len", type=int, default=0,
+                    help="--corpus: use only the first N tokens of each sequence (0 = all)")
+    ap.add_argument("--bucket", type=int, default=64,
+                    help="--corpus: sequence lengths are padded to a multiple of this")
+    ap.add_argument("--eval-batches", type=int, default=32,
+                    help="--corpus: held-out batches (of --batch sequences) per evaluation")
     ap.add_argument("--out", required=True, help="run directory (features, checkpoints, metrics, exported heads)")
     ap.add_argument("--export", default=None, help="where to write the heads (default OUT/heads)")
     ap.add_argument("--target", default="smollm2-135m")
@@ -395,7 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="heads predict this many target ids (0 = all)")
     ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=256, help="feature positions per step")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="feature positions per step (--data, default 256) or sequences per step (--corpus, "
+                         "default 8; every position of them trains)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--weight-decay", type=float, default=0.0)
@@ -414,8 +582,16 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    if min(args.steps, args.batch, args.heads, args.checkpoint_every, args.eval_every, args.tree_nodes) < 1:
-        ap.error("--steps, --batch, --heads, --checkpoint-every, --eval-every and --tree-nodes must be >= 1")
+    if args.batch is None:
+        args.batch = 8 if args.corpus else 256
+    if min(args.steps, args.batch, args.heads, args.checkpoint_every, args.eval_every, args.tree_nodes,
+           args.bucket, args.eval_batches) < 1:
+        ap.error("--steps, --batch, --heads, --checkpoint-every, --eval-every, --tree-nodes, --bucket and "
+                 "--eval-batches must be >= 1")
+    if args.max_len < 0 or (args.max_len and not args.corpus):
+        ap.error("--max-len cuts the sequences of a --corpus (N >= 0); an .npz keeps its own lengths")
+    if args.corpus and args.features_cache:
+        ap.error("--features-cache serves --data; a --corpus reads recorded features itself (--features recorded)")
     if args.layers < 0 or not 0 <= args.hard_weight <= 1:
         ap.error("--layers must be >= 0 and --hard-weight in [0, 1]")
     return args

@@ -338,9 +338,15 @@ def test_ngram_job_is_lossless_and_reports_acceptance(llm, clean, tmp_path):
     got = by_id(read_results(tmp_path / "out.jsonl"))
     assert {k: v["token_ids"] for k, v in got.items()} == {k: v["token_ids"] for k, v in results.items()}
     m = next(iter(got.values()))["metrics"]
-    assert {"acceptance_rate", "tau", "drafted", "accepted", "verify_steps"} <= set(m)
+    assert {"acceptance_rate", "tau", "tokens_per_forward", "drafted", "accepted", "verify_steps"} <= set(m)
+    for v in got.values():  # tau per verify step, tokens per forward over verify and plain steps
+        r = v["metrics"]
+        assert r["tau"] == pytest.approx(1 + r["accepted"] / r["verify_steps"] if r["verify_steps"] else 1.0, abs=1e-4)
+        fwd = r["verify_steps"] + r["plain_steps"]
+        assert r["tokens_per_forward"] == pytest.approx((r["accepted"] + fwd) / fwd, abs=1e-4)
     assert summary.drafted == sum(v["metrics"]["drafted"] for v in got.values()) > 0
-    assert "acceptance" in err and "tau" in err
+    assert summary.tau == pytest.approx(1 + summary.accepted / summary.verify_steps)
+    assert "acceptance" in err and "tau" in err and "tokens per target forward" in err
 
 
 def test_every_state_leaf_is_batch_first(llm):

@@ -71,10 +71,14 @@ def test_missing_dataset_is_a_dataset_error(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ arithmetic
-def record(category, new_tokens, time, ttft, drafted=0, accepted=0, forwards=0, pos_num=None, pos_den=None):
+def record(category, new_tokens, time, ttft, drafted=0, accepted=0, forwards=0, pos_num=None, pos_den=None,
+           verify_steps=None):
+    """A `run_requests` record; `forwards` are decoding forwards (verify + plain steps), all verify steps unless
+    `verify_steps` says fewer."""
     rec = {"id": category, "category": category, "new_tokens": new_tokens, "time": time, "ttft": ttft,
-           "wall_time": 2 * time,
-           "drafted": drafted, "accepted": accepted, "target_forwards": forwards, "token_ids": [[]]}
+           "wall_time": 2 * time, "drafted": drafted, "accepted": accepted,
+           "verify_steps": forwards if verify_steps is None else verify_steps, "target_forwards": forwards,
+           "token_ids": [[]]}
     if pos_num is not None:
         rec["pos_num"], rec["pos_den"] = np.asarray(pos_num), np.asarray(pos_den)
     return rec
@@ -83,9 +87,10 @@ def record(category, new_tokens, time, ttft, drafted=0, accepted=0, forwards=0, 
 def test_summary_arithmetic_on_hand_made_records():
     results = {
         "plain": [record("a", 10, 1.0, 0.1), record("b", 30, 1.0, 0.3)],
-        "ngram(k=2)": [record("a", 10, 0.5, 0.1, drafted=8, accepted=4, forwards=6, pos_num=[3, 1], pos_den=[4, 4]),
+        "ngram(k=2)": [record("a", 10, 0.5, 0.1, drafted=8, accepted=4, forwards=6, pos_num=[3, 1], pos_den=[4, 4],
+                              verify_steps=4),
                        record("b", 30, 0.5, 0.1, drafted=12, accepted=9, forwards=20, pos_num=[5, 4],
-                              pos_den=[6, 6])],
+                              pos_den=[6, 6], verify_steps=6)],
     }
     s = bench.summarize(results)
     plain, spec = s["plain"]["overall"], s["ngram(k=2)"]["overall"]
@@ -94,24 +99,55 @@ def test_summary_arithmetic_on_hand_made_records():
     assert spec["speedup"] == pytest.approx(2.0)
     assert s["ngram(k=2)"]["a"]["speedup"] == pytest.approx((10 / 0.5) / (10 / 1.0))
     assert spec["acceptance_rate"] == pytest.approx(13 / 20)
-    assert spec["tau"] == pytest.approx((13 + 26) / 26)  # (accepted + forwards) / forwards
-    assert s["ngram(k=2)"]["b"]["tau"] == pytest.approx((9 + 20) / 20)
+    assert spec["tau"] == pytest.approx(1 + 13 / 10)  # 1 + accepted / verify steps
+    assert spec["tokens_per_forward"] == pytest.approx((13 + 26) / 26)  # (accepted + forwards) / forwards
+    assert s["ngram(k=2)"]["b"]["tau"] == pytest.approx(1 + 9 / 6)
+    assert s["ngram(k=2)"]["b"]["tokens_per_forward"] == pytest.approx((9 + 20) / 20)
     assert spec["per_position"] == pytest.approx([8 / 10, 5 / 10])
     assert plain["ttft_ms_p50"] == pytest.approx(200.0)
-    assert "tau" not in plain and plain["lossy"] is False
+    assert "tau" not in plain and "tokens_per_forward" not in plain and plain["lossy"] is False
     md = report.markdown(s, "T=0")
     assert "| ngram(k=2) | 0.80 | 0.50 |" in md  # per-position row per method
+    assert "| method | α | τ | tok/fwd |" in md and "| ngram(k=2) | 0.65 | 2.30 | 1.50 |" in md  # a column each
+    assert "τ 2.50, 1.45 tok/fwd" in md  # category b: 1 + 9 / 6 and 29 / 20 in its cell
     one = bench.batch1_figures(results["ngram(k=2)"])  # the batch-1 throughput point runs on wall time
     assert one["tokens_per_s"] == pytest.approx(40 / 2.0) and one["tau"] == pytest.approx(spec["tau"])
+    assert one["tokens_per_forward"] == pytest.approx(spec["tokens_per_forward"])
+
+
+def pinned_figures(f: dict) -> None:
+    """The figures of one record with 4 drafted and 4 accepted in 1 verify step, then 26 plain steps."""
+    assert f["tau"] == pytest.approx(5.0)  # 1 + 4 / 1: plain steps are not verify steps
+    assert f["tokens_per_forward"] == pytest.approx(31 / 27)  # (4 + 27) / 27 decoding forwards
+
+
+def test_tau_counts_verify_steps_and_tokens_per_forward_counts_plain_steps_too():
+    """The issue's example, through `aggregate` and `throughput_figures`; with the two figures swapped (the old
+    tau, tokens per forward, in the tau field) the same check fails."""
+    rec = record("a", 31, 1.0, 0.1, drafted=4, accepted=4, forwards=27, pos_num=[1, 1, 1, 1], pos_den=[1, 1, 1, 1],
+                 verify_steps=1)
+    agg = bench.aggregate([rec])
+    pinned_figures(agg)
+    m = types.SimpleNamespace(new_tokens=31, drafted=4, accepted=4, verify_steps=1, target_forwards=28, lossy=False)
+    pinned_figures(bench.throughput_figures([m], wall=1.0, batch=1, calls=1))  # target_forwards has the prefill
+    with pytest.raises(AssertionError):
+        pinned_figures(dict(agg, tau=agg["tokens_per_forward"], tokens_per_forward=agg["tau"]))
+    none = bench.aggregate([record("a", 27, 1.0, 0.1, drafted=0, accepted=0, forwards=27, pos_num=[0], pos_den=[0],
+                                   verify_steps=0)])
+    assert none["tau"] == 1.0 and none["tokens_per_forward"] == 1.0  # no verify step: nothing to average
 
 
 def test_throughput_and_profile_figures():
-    m = lambda new, drafted, accepted, fwd, lossy=False: types.SimpleNamespace(
-        new_tokens=new, drafted=drafted, accepted=accepted, target_forwards=fwd, lossy=lossy)
-    f = bench.throughput_figures([m(8, 6, 3, 4), m(8, 10, 5, 6)], wall=0.5, batch=2, calls=1)
+    m = lambda new, drafted, accepted, fwd, lossy=False, verify=None: types.SimpleNamespace(
+        new_tokens=new, drafted=drafted, accepted=accepted, target_forwards=fwd, lossy=lossy,
+        verify_steps=fwd - 1 if verify is None else verify)
+    f = bench.throughput_figures([m(8, 6, 3, 4, verify=2), m(8, 10, 5, 6, verify=3)], wall=0.5, batch=2, calls=1)
     assert f["tokens_per_s"] == pytest.approx(32.0)
     assert f["acceptance_rate"] == pytest.approx(8 / 16)
-    assert f["tau"] == pytest.approx((8 + 8) / 8)  # forwards exclude each request's prefill
+    assert f["tau"] == pytest.approx(1 + 8 / 5)  # per verify step
+    assert f["tokens_per_forward"] == pytest.approx((8 + 8) / 8)  # forwards exclude each request's prefill
+    md = report.throughput_markdown({"ngram": {"2": f}}, "T=0")
+    assert "τ 2.60, 2.00 tok/fwd" in md and report.TAU_NOTE in md
     assert f["lossy"] is False
     assert bench.throughput_figures([m(8, 6, 3, 4, True)], 1.0, 2, 1)["lossy"] is True
     p = bench.profile_figures(draft=1.0, verify=3.0, steps=10, new_tokens=20, requests=2, lossy=False)
@@ -185,7 +221,7 @@ def test_batch_2_greedy_equals_batch_1(llm, prompts, spec):
     assert fig["tokens_per_s"] == pytest.approx(fig["new_tokens"] / fig["time_s"])
     assert ("tau" in fig) == (spec is not None)
     if spec is not None:
-        assert 0.0 <= fig["acceptance_rate"] <= 1.0 and fig["tau"] >= 1.0
+        assert 0.0 <= fig["acceptance_rate"] <= 1.0 and fig["tau"] >= fig["tokens_per_forward"] >= 1.0
 
 
 def test_reps_start_from_the_same_learned_state(llm, prompts):

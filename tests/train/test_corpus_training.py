@@ -196,3 +196,46 @@ def test_eagle1_head_trains_on_the_corpus(corpus, tmp_path):
     s = E.main(args)
     assert s["kind"] == "eagle" and s["heldout"]["vocab"] == "full" and len(s["heldout"]["top1"]) == 5
     assert os.path.isfile(tmp_path / "e1" / "head" / "model.safetensors")
+
+
+def test_warm_start_continues_from_a_head_and_keeps_its_draft_vocabulary(corpus, tmp_path):
+    """--init-head: the run starts from that head's weights (not the target's layer) and keeps an EAGLE-3 head's
+    draft vocabulary whatever --draft-vocab says; a head of another kind, other feature layers or another
+    target width is refused with an error naming the head."""
+    from specjax.heads.eagle_io import HeadMismatchError, load_head, save_head
+    from specjax.heads.eagle import head_config, init_from_target
+    from specjax.models.loading import load_model
+
+    model, root = corpus
+    first = E.main(_train_args(model, root, tmp_path / "a", "--steps", "2"))
+    assert first["vocab"] == 128
+    tcfg = load_model(model, "float32", with_tokenizer=False).config
+    hcfg, hp = load_head(str(tmp_path / "a" / "head"), tcfg)
+    args = E.parse_args(_train_args(model, root, tmp_path / "b", "--draft-vocab", "64", "--init-head",
+                                    str(tmp_path / "a" / "head")))
+    cfg, params = E.warm_start(args.init_head, "eagle3", tcfg, None)
+    assert cfg == hcfg
+    np.testing.assert_array_equal(np.asarray(params["fc"]), np.asarray(hp["fc"], np.float32))
+    np.testing.assert_array_equal(np.asarray(params["layers"][0]["wq"]), np.asarray(hp["layers"][0]["wq"], np.float32))
+    second = E.main(_train_args(model, root, tmp_path / "b", "--steps", "1", "--draft-vocab", "64", "--init-head",
+                                str(tmp_path / "a" / "head")))
+    assert second["vocab"] == 128
+    _, hp2 = load_head(str(tmp_path / "b" / "head"), tcfg)
+    np.testing.assert_array_equal(hp2["draft_ids"], hp["draft_ids"])
+
+    with pytest.raises(E.HeadTrainError, match=r"--init-head .*head: a 'eagle3' head cannot start a 'eagle' run"):
+        E.warm_start(str(tmp_path / "a" / "head"), "eagle", tcfg, None)
+    with pytest.raises(E.HeadTrainError, match=r"fuses target layers \[.*\], the run asks for \[0, 1, 2\]"):
+        E.warm_start(str(tmp_path / "a" / "head"), "eagle3", tcfg, (0, 1, 2))
+    wide = tiny_config(num_layers=4, vocab_size=259, hidden_size=96, architecture="LlamaForCausalLM")
+    wcfg = head_config(wide, "eagle3", draft_vocab_size=32)
+    wp = init_from_target(wcfg, tiny_params(wide, seed=1), draft_ids=np.arange(32))
+    save_head(str(tmp_path / "wide"), wcfg, jax_to_np(wp))
+    with pytest.raises(HeadMismatchError, match=r"wide: head hidden size 96 != target hidden size 64"):
+        E.main(_train_args(model, root, tmp_path / "c", "--init-head", str(tmp_path / "wide")))
+
+
+def jax_to_np(tree):
+    import jax
+
+    return jax.tree.map(np.asarray, tree)
