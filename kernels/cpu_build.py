@@ -1,8 +1,10 @@
 """Builds and loads specjax's C++ CPU kernels (`kernels/cpu/*.cc`) as one library registered with XLA's FFI.
 
 The sources are compiled on first use with the machine's C++ compiler (`$CXX`, else g++, c++ or clang++;
-`-O3 -march=native`) into a cache directory (`$SPECJAX_CACHE_DIR`, else `~/.cache/specjax`) keyed by the sources,
-the compiler, the flags and the jaxlib version, and every handler in `TARGETS` is registered for the CPU platform.
+`-O3 -march=native`) into `specjax.compile_cache.cache_root()/kernels` (`$SPECJAX_CACHE_DIR`, else
+`$XDG_CACHE_HOME/specjax`, else `~/.cache/specjax`), keyed by the sources, the compiler, the flags, the jaxlib
+version and the host CPU's feature flags (`-march=native` code built on one CPU can crash another that shares the
+cache directory), and every handler in `TARGETS` is registered for the CPU platform.
 Without a compiler, or when the build fails, `available()` is False and `unavailable_reason()` says why; the
 kernels' callers then warn once and keep XLA's own operations.
 """
@@ -21,6 +23,7 @@ import warnings
 import jax
 import jaxlib
 
+from specjax.compile_cache import cache_root, host_fingerprint
 from specjax.errors import SpecjaxError
 
 SOURCE_DIR = pathlib.Path(__file__).with_name("cpu")
@@ -48,8 +51,7 @@ class KernelBuildError(SpecjaxError, RuntimeError):
 
 
 def cache_dir() -> pathlib.Path:
-    root = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-    return pathlib.Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:
@@ -70,18 +72,24 @@ def _flags(compiler: str) -> list[str]:
     return flags
 
 
+def build_key(compiler: str, flags: list[str]) -> str:
+    """The cached library's name suffix: a hash of the sources, `compiler`, `flags`, the jaxlib version and the host
+    CPU's feature flags."""
+    parts = [p.read_bytes() for p in (*SOURCES, *HEADERS) if p.is_file()]
+    return hashlib.sha256(b"\0".join([*parts, compiler.encode(), " ".join(flags).encode(),
+                                      jaxlib.__version__.encode(), host_fingerprint().encode()])).hexdigest()[:16]
+
+
 def library_path() -> pathlib.Path:
-    """Builds the kernel library if these sources, compiler and jaxlib have no cached build, and returns its path.
+    """Builds the kernel library if these sources, compiler, jaxlib and CPU have no cached build, and returns its
+    path.
 
     Raises KernelBuildError when there is no C++ compiler or the build fails."""
     compiler = _compiler()
     if compiler is None:
         raise KernelBuildError("no C++ compiler found (set CXX, or install g++: apt-get install g++)")
     flags = _flags(compiler)
-    parts = [p.read_bytes() for p in (*SOURCES, *HEADERS) if p.is_file()]
-    key = hashlib.sha256(b"\0".join([*parts, compiler.encode(), " ".join(flags).encode(),
-                                     jaxlib.__version__.encode()])).hexdigest()[:16]
-    target = cache_dir() / f"specjax_cpu-{key}.so"
+    target = cache_dir() / f"specjax_cpu-{build_key(compiler, flags)}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -130,5 +138,5 @@ def warn_unavailable(what: str, fallback: str) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["KernelBuildError", "MODES", "SOURCES", "TARGETS", "available", "cache_dir", "env_mode", "library_path", "unavailable_reason",
-           "warn_unavailable"]
+__all__ = ["KernelBuildError", "MODES", "SOURCES", "TARGETS", "available", "build_key", "cache_dir", "env_mode",
+           "library_path", "unavailable_reason", "warn_unavailable"]

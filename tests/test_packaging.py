@@ -216,3 +216,141 @@ def test_unpacked_wheel_imports_outside_the_repo(wheel, tmp_path):
     res = subprocess.run([sys.executable, "-P", "-c", code, str(site)], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------ extras
+# A core install is inference only: training's packages (the `train` extra) and flax are not installed there.
+# These run specjax in a fresh interpreter where a meta-path finder makes such packages unimportable, which is
+# what a `pip install specjax` without extras looks like to the code.
+_BLOCKER = r"""
+import sys
+BLOCKED = set(sys.argv[1].split(","))
+
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+        return None
+
+sys.meta_path.insert(0, _Blocked())
+"""
+TRAINING_ONLY = "optax,orbax,flax"
+
+
+def _run_blocked(blocked: str, body: str, cwd=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", _BLOCKER + body, blocked], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=cwd)
+
+
+def test_blocker_blocks():
+    """Guard: the finder really makes a blocked package unimportable (else the tests below prove nothing)."""
+    res = _run_blocked("optax,json", "import json\n")
+    assert res.returncode != 0 and "blocked by the test" in res.stderr, res.stderr[-2000:]
+
+
+def test_inference_entry_points_import_without_the_train_extra():
+    body = (
+        "import specjax, specjax.api, specjax.cli.main, specjax.runners.batch, specjax.runners.speculative\n"
+        "import specjax.drafters.build, specjax.heads.eagle_io, specjax.heads.medusa_io, specjax.models.draft_io\n"
+        "import specjax.tools.bench, specjax.tools.startup\n"
+        "from specjax import LLM, SamplingParams\n"
+        "import sys\n"
+        "print('loaded', sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED))\n"
+    )
+    res = _run_blocked(TRAINING_ONLY, body)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "loaded []" in res.stdout, res.stdout
+
+
+def test_shipped_weights_read_without_flax():
+    """safetensors' framework="flax" reader (used for the shipped heads and draft) needs jax, not flax."""
+    path = pathlib.Path(ROOT, "specjax", "assets", "smollm2-135m-medusa", "model.safetensors")
+    body = (
+        "import math\n"
+        "import jax  # as in specjax, which always has jax imported (it registers bfloat16 with numpy)\n"
+        "from safetensors import safe_open\n"
+        f"with safe_open({str(path)!r}, framework='flax') as f:\n"
+        "    name = min(f.keys(), key=lambda k: math.prod(f.get_slice(k).get_shape()))\n"
+        "    print('read', name, type(f.get_tensor(name)).__module__)\n"
+    )
+    res = _run_blocked(TRAINING_ONLY, body)
+    assert res.returncode == 0 and "read " in res.stdout, res.stderr[-3000:]
+    assert "jax" in res.stdout, res.stdout  # a jax array, made without flax
+
+
+def test_train_head_without_the_train_extra_says_how_to_install():
+    body = "from specjax.cli.main import main\nraise SystemExit(main(['train-head', '--config', 'train/draft']))\n"
+    res = _run_blocked("optax,orbax", body)
+    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specjax: error:"), res.stderr[-3000:]
+    assert 'pip install -e ".[train]"' in lines[0] and "optax" in lines[0]
+
+
+def test_batch_io_imports_without_fcntl_and_says_why_it_cannot_lock(tmp_path):
+    body = (
+        "from specjax.runners.batch_io import BatchError, ResultFile\n"
+        "try:\n"
+        f"    ResultFile({str(tmp_path / 'out.jsonl')!r})\n"
+        "except BatchError as e:\n"
+        "    print('error:', e)\n"
+    )
+    res = _run_blocked("fcntl", body)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "error:" in res.stdout and "fcntl" in res.stdout, res.stdout
+
+
+def _project() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _names(requirements) -> set[str]:
+    import re
+
+    return {re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+
+
+def _extra(extras: dict, name: str, seen=()) -> set[str]:
+    """Distribution names an extra installs, self-references (`specjax[a,b]`) followed."""
+    out = set()
+    for req in extras[name]:
+        if req.startswith("specjax["):
+            for sub in req[len("specjax["):req.index("]")].split(","):
+                if sub not in seen:
+                    out |= _extra(extras, sub.strip(), (*seen, name))
+        else:
+            out |= _names([req])
+    return out
+
+
+def test_core_install_is_inference_only_and_test_extra_covers_the_extras():
+    project = _project()
+    core = _names(project["dependencies"])
+    assert not core & {"optax", "orbax-checkpoint", "flax"}, sorted(core)
+    extras = project["optional-dependencies"]
+    assert _extra(extras, "train") >= {"optax", "orbax-checkpoint"}
+    assert _extra(extras, "serve") >= {"fastapi", "uvicorn", "pydantic", "prometheus-client"}
+    test = _extra(extras, "test")
+    assert test >= _extra(extras, "train") | _extra(extras, "serve") | _extra(extras, "plots")
+    assert test >= {"pytest", "hypothesis", "openai", "httpx"}
+
+
+def test_flax_is_never_imported():
+    """flax left the dependencies: no source or test file may import it (safetensors' framework="flax" is jax)."""
+    import ast
+
+    offenders = []
+    for folder in ("specjax", "backends", "kernels", "tests", "benchmarks"):
+        for path in pathlib.Path(ROOT, folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.split(".")[0] == "flax"]
+    assert not offenders, f"flax is not a dependency any more; imported at {offenders}"

@@ -7,7 +7,6 @@ Input lines become `Request`s (bad lines are reported and skipped); results are 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import zlib
@@ -213,6 +212,11 @@ class ResultFile:
 
     def __init__(self, path: str, note: Callable[[str], None] = lambda msg: None):
         self.path = path
+        try:
+            import fcntl  # POSIX only: imported here so that the rest of specjax imports on Windows
+        except ImportError:
+            raise BatchError("the batch result file needs POSIX file locks (fcntl), which this platform lacks; run "
+                             "`specjax batch` on Linux, macOS or WSL") from None
         self.fd = open_output(path)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -6,6 +6,7 @@ this module imports none of them.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from typing import Callable
@@ -17,6 +18,23 @@ from specjax.errors import SpecjaxError
 
 class TrainError(SpecjaxError, ValueError):
     """A training run cannot start or continue as asked; the message says how to fix it."""
+
+
+# The packages of the `train` extra that a core (inference-only) install lacks.
+TRAIN_EXTRA = ("optax", "orbax.checkpoint")
+
+
+def require_train_extra() -> None:
+    """Raise TrainError, naming the install command, unless the `train` extra's packages import."""
+    missing = []
+    for name in TRAIN_EXTRA:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name.split(".")[0])
+    if missing:
+        raise TrainError(f"training needs {' and '.join(missing)}, which the core install leaves out; install the "
+                         'training extra: pip install -e ".[train]" (from a checkout) or pip install "specjax[train]"')
 
 
 def check_run(out: str, run: dict, error: type[Exception] = TrainError) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from specjax.config import ConfigError, _did_you_mean, load_yaml_dict, packaged_config_path
+from specjax.train.common import require_train_extra
 
 TRAINERS = {"draft": "specjax.train.draft_model", "medusa": "specjax.train.medusa", "eagle": "specjax.train.eagle",
             "eagle3": "specjax.train.eagle"}
@@ -102,6 +103,7 @@ def main(config: str, sets: Sequence[str] = (), dry_run: bool = False) -> Any:
     print(command, flush=True)
     if dry_run:
         return command
+    require_train_extra()
     module = importlib.import_module(module_name)
     try:
         return module.main(argv)

@@ -21,11 +21,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from specjax.train.common import TrainError
+from specjax.train.common import TrainError, require_train_extra
 
 
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
     """(AdamW with global-norm clipping over a warmup + cosine schedule ending at 5% of lr, the schedule)."""
+    require_train_extra()
     import optax
 
     warmup = max(1, min(warmup, steps - 1)) if steps > 1 else 1
@@ -45,6 +46,7 @@ def apply_gradients(loss_fn: Callable, optimizer, params, opt_state, *args):
 def checkpoint_manager(out: str, every: int):
     """An orbax manager for OUT/checkpoints keeping the last two, synchronous (a killed run loses at most
     `every` steps and never leaves a half-written latest checkpoint behind)."""
+    require_train_extra()
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, enable_async_checkpointing=False)
@@ -91,6 +93,7 @@ def fit(update: Callable, params, optimizer, schedule, frozen, batch_at: Callabl
     stop_at: end this invocation after that step (checkpointed, with a final evaluation) while the schedule
     stays the one of `steps`: a long run can be cut into sessions, and rerunning without it goes on to `steps`.
     """
+    require_train_extra()
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
