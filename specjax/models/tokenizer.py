@@ -12,27 +12,36 @@ runs), which would silently change what the model sees.
 """
 from __future__ import annotations
 
-import datetime
-import functools
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from specjax.errors import SpecjaxError
+from specjax.errors import TokenizerError
+from specjax.models import chat_template
+from specjax.models.gguf_file import GGUFFile, read_gguf
+from specjax.models.safe_files import read_json_file
 
 __all__ = ["IncrementalDecoder", "Tokenizer", "TokenizerError"]
 
+# tokenizer.json is read by the Rust side in one piece; real ones are tens of MB at most.
+MAX_TOKENIZER_JSON_BYTES = 512 << 20
+MAX_TEMPLATE_FILE_BYTES = 4 << 20
 
-class TokenizerError(SpecjaxError, ValueError):
-    """A tokenizer could not be built or used; the message names the problem and the fix."""
+
+def _rust(what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call into `tokenizers`; its failures become a TokenizerError saying `what` failed. The Rust side raises
+    plain Exception on bad input, and a Rust panic arrives as pyo3's PanicException, a BaseException."""
+    try:
+        return fn(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError):
+        raise
+    except BaseException as err:  # noqa: B036 - see the docstring
+        detail = " ".join(str(err).split())[:200]
+        raise TokenizerError(f"{what} ({type(err).__name__}: {detail})") from None
 
 
 # llama.cpp token_type values (gguf.TokenType): 3 marks control tokens such as <|im_start|>, 4 marks
@@ -98,10 +107,14 @@ def _pre_tokenizer(family: str) -> pre_tokenizers.PreTokenizer:
 
 
 def _gguf_value(reader: Any, key: str) -> Any:
-    """One metadata value of a `gguf.GGUFReader`, as str / int / float / bool / list; None if absent.
+    """One metadata value of a `GGUFFile` (specjax's bounded reader) or a `gguf.GGUFReader`, as str / int /
+    float / bool / list; None if absent.
 
-    Reads `parts`/`data` directly instead of `ReaderField.contents()`, which older gguf releases lack.
+    For a GGUFReader, reads `parts`/`data` directly instead of `ReaderField.contents()`, which older gguf
+    releases lack.
     """
+    if isinstance(reader, GGUFFile):
+        return reader.get(key)
     from gguf import GGUFValueType
 
     field = reader.fields.get(key)
@@ -120,46 +133,34 @@ def _gguf_value(reader: Any, key: str) -> Any:
 
 
 def _open_gguf(path_or_reader: Any) -> tuple[Any, str]:
-    """A GGUFReader and a name for messages; accepts a path or an already open reader."""
+    """A GGUF reader and a name for messages; accepts a path, a `GGUFFile` or a `gguf.GGUFReader`. A path is
+    read with specjax's bounded reader, metadata only (the tokenizer needs no tensor)."""
+    if isinstance(path_or_reader, GGUFFile):
+        return path_or_reader, path_or_reader.path
     if hasattr(path_or_reader, "fields"):
         return path_or_reader, "the GGUF file"
     path = os.fspath(path_or_reader)
     if not os.path.isfile(path):
         raise TokenizerError(f"GGUF file not found: {path!r}; pass the path of a .gguf model file")
-    from gguf import GGUFReader
-
     try:
-        return GGUFReader(path), path
-    except (ValueError, OSError) as err:
-        raise TokenizerError(f"{path!r} is not a readable GGUF file ({err})") from err
+        return read_gguf(path, error=TokenizerError, tensors=False), path
+    except TokenizerError as err:
+        detail = str(err)[len(path) + 2:] if str(err).startswith(f"{path}: ") else str(err)
+        raise TokenizerError(f"{path!r} is not a readable GGUF file: {detail}") from None
 
 
-# ---------------------------------------------------------------------------------------------------
-# Chat templates
+def _typed(name: str, key: str, value: Any, kind: type | tuple, what: str) -> Any:
+    """`value` of metadata/config `key` if it is of `kind` (bool never counts as int); else a TokenizerError."""
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise TokenizerError(f"{name}: {key} must be {what}, got {type(value).__name__} {str(value)[:40]!r}")
+    return value
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    # Jinja's own tojson HTML-escapes '<', '>' and '&', which would corrupt tool schemas in a prompt.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template once per distinct source (templates are pure text, so caching is safe)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+def _str_list(name: str, key: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TokenizerError(f"{name}: {key} must be a list of strings")
+    return value
 
 
 def _check_messages(messages: Any) -> list[dict]:
@@ -198,6 +199,8 @@ class Tokenizer:
     unk_token_id: int | None
     stop_token_ids: tuple[int, ...]
     chat_template: str | None = field(repr=False)
+    chat_template_origin: str | None = field(default=None, repr=False)  # the file (and key) it came from
+    source: str | None = field(default=None, repr=False)  # the file or directory it was read from
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -205,37 +208,42 @@ class Tokenizer:
     def from_gguf(cls, path_or_reader: Any) -> Tokenizer:
         """Rebuild the tokenizer stored in a GGUF file's metadata (byte-level BPE, `tokenizer.ggml.model` gpt2).
 
-        `path_or_reader` is a path or an open `gguf.GGUFReader` (so a model loader can parse the file once).
+        `path_or_reader` is a path (read with specjax's bounded GGUF reader), a `GGUFFile` from
+        `specjax.models.gguf_file.read_gguf` (so a model loader parses the file once) or a `gguf.GGUFReader`.
+        Malformed metadata (wrong types, ids outside the vocabulary, merges of unknown tokens) -> TokenizerError.
         """
         reader, name = _open_gguf(path_or_reader)
         model = _gguf_value(reader, "tokenizer.ggml.model")
         tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
-        if model is None or tokens is None:
+        if model is None or not tokens:
             raise TokenizerError(
                 f"{name} has no tokenizer metadata (tokenizer.ggml.model / tokenizer.ggml.tokens); "
                 "load the tokenizer from the model's Hugging Face directory with Tokenizer.from_hf_dir"
             )
+        _typed(name, "tokenizer.ggml.model", model, str, "a string")
+        tokens = _str_list(name, "tokenizer.ggml.tokens", tokens)
         if model != "gpt2":
-            kind = "a sentencepiece" if model == "llama" else f"a {model!r}"
+            kind = "a sentencepiece" if model == "llama" else f"a {model[:40]!r}"
             raise TokenizerError(
-                f"{name} holds {kind} tokenizer (tokenizer.ggml.model={model!r}); only byte-level BPE "
+                f"{name} holds {kind} tokenizer (tokenizer.ggml.model={model[:40]!r}); only byte-level BPE "
                 "('gpt2') is supported from GGUF: use Tokenizer.from_hf_dir on the model's Hugging Face directory"
             )
-        pre = _gguf_value(reader, "tokenizer.ggml.pre") or "default"
+        pre = _typed(name, "tokenizer.ggml.pre", _gguf_value(reader, "tokenizer.ggml.pre") or "default", str,
+                     "a string")
         family = _PRE_FAMILIES.get(pre)
         if family is None:
             raise TokenizerError(
-                f"{name} uses pre-tokenizer {pre!r} (tokenizer.ggml.pre), which specjax does not know "
+                f"{name} uses pre-tokenizer {pre[:40]!r} (tokenizer.ggml.pre), which specjax does not know "
                 f"(known: {sorted(_PRE_FAMILIES)}); use Tokenizer.from_hf_dir on the model's Hugging Face directory"
             )
         merges_raw = _gguf_value(reader, "tokenizer.ggml.merges")
         if not merges_raw:
             raise TokenizerError(f"{name} has a BPE vocabulary but no tokenizer.ggml.merges; the file is incomplete")
         merges = []
-        for rank, merge in enumerate(merges_raw):
+        for rank, merge in enumerate(_str_list(name, "tokenizer.ggml.merges", merges_raw)):
             pair = merge.split(" ")
-            if len(pair) != 2:
-                raise TokenizerError(f"{name}: merge {rank} {merge!r} is not two symbols separated by one space")
+            if len(pair) != 2 or not pair[0] or not pair[1]:
+                raise TokenizerError(f"{name}: merge {rank} {merge[:40]!r} is not two symbols separated by one space")
             merges.append((pair[0], pair[1]))
 
         # First occurrence wins on duplicate strings: BPE needs a one-to-one vocabulary, and the later
@@ -245,46 +253,57 @@ class Tokenizer:
             vocab.setdefault(token, index)
         # No unk token: bytes missing from the vocabulary are dropped, exactly as the HF tokenizer.json
         # of these models does (SmolLM2 lacks e.g. 0x04 and 0xF5..0xFF).
-        backend = _Backend(
+        bad = f"{name}: the tokenizer in the GGUF metadata is invalid; the file is corrupt"
+        backend = _rust(bad, lambda: _Backend(
             models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
                        ignore_merges=family == "llama3")
-        )
+        ))
         backend.pre_tokenizer = _pre_tokenizer(family)
         backend.decoder = decoders.ByteLevel()
 
         token_types = _gguf_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        if not isinstance(token_types, list) or len(token_types) != len(tokens) or not all(
+                isinstance(k, int) and not isinstance(k, bool) for k in token_types):
+            raise TokenizerError(f"{name}: tokenizer.ggml.token_type must be a list of {len(tokens)} integers, one per "
+                                 "token")
         special = [AddedToken(t, special=True, normalized=False)
-                   for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_CONTROL]
+                   for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_CONTROL and t]
         user = [AddedToken(t, special=False, normalized=False)
-                for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_USER_DEFINED]
-        backend.add_special_tokens(special)
-        backend.add_tokens(user)
+                for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_USER_DEFINED and t]
+        _rust(bad, backend.add_special_tokens, special)
+        _rust(bad, backend.add_tokens, user)
 
         def token_id(key: str) -> int | None:
             value = _gguf_value(reader, key)
             if value is None:
                 return None
-            if not 0 <= int(value) < len(tokens):
+            _typed(name, key, value, int, "an integer token id")
+            if not 0 <= value < len(tokens):
                 raise TokenizerError(f"{name}: {key}={value} is outside the vocabulary of {len(tokens)} tokens")
-            return int(value)
+            return value
 
         bos = token_id("tokenizer.ggml.bos_token_id")
         eos = token_id("tokenizer.ggml.eos_token_id")
         if eos is None:
             raise TokenizerError(f"{name} has no tokenizer.ggml.eos_token_id; generation could never stop")
-        add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token"))
-        add_eos = bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token"))
+        add_bos = _typed(name, "tokenizer.ggml.add_bos_token", _gguf_value(reader, "tokenizer.ggml.add_bos_token")
+                         or False, bool, "true or false")
+        add_eos = _typed(name, "tokenizer.ggml.add_eos_token", _gguf_value(reader, "tokenizer.ggml.add_eos_token")
+                         or False, bool, "true or false")
         if (add_bos and bos is not None) or add_eos:
             # Expressed as a post-processor so it also holds in a saved tokenizer.json.
             prefix = [tokens[bos]] if add_bos and bos is not None else []
             suffix = [tokens[eos]] if add_eos else []
             single = prefix + ["$A"] + suffix
             pair = single + prefix + ["$B:1"] + suffix
-            backend.post_processor = processors.TemplateProcessing(
+            backend.post_processor = _rust(bad, processors.TemplateProcessing,
                 single=" ".join(single), pair=" ".join(pair),
                 special_tokens=sorted({(tokens[i], i) for i in ([bos] if prefix else []) + ([eos] if suffix else [])}),
             )
         extra_stops = [token_id("tokenizer.ggml.eot_token_id"), token_id("tokenizer.ggml.eom_token_id")]
+        template = _gguf_value(reader, "tokenizer.chat_template")
+        if template is not None:
+            _typed(name, "tokenizer.chat_template", template, str, "a string")
         return cls._assemble(
             backend,
             vocab_size=len(tokens),
@@ -293,7 +312,9 @@ class Tokenizer:
             pad=token_id("tokenizer.ggml.padding_token_id"),
             unk=token_id("tokenizer.ggml.unknown_token_id"),
             extra_stops=[i for i in extra_stops if i is not None],
-            chat_template=_gguf_value(reader, "tokenizer.chat_template"),
+            chat_template=template,
+            template_origin=f"{name} (tokenizer.chat_template)",
+            source=name,
         )
 
     @classmethod
@@ -309,19 +330,34 @@ class Tokenizer:
                 f"no tokenizer.json in {path!r}; a sentencepiece-only tokenizer.model is not supported, convert it "
                 "with transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)"
             )
-        try:
-            backend = _Backend.from_file(tokenizer_json)
-        except Exception as err:  # the Rust side raises plain Exception on malformed files
-            raise TokenizerError(f"{tokenizer_json!r} could not be parsed by `tokenizers` ({err})") from err
-        config = _read_json(os.path.join(path, "tokenizer_config.json"))
-        generation = _read_json(os.path.join(path, "generation_config.json"))
+        size = os.path.getsize(tokenizer_json)
+        if size > MAX_TOKENIZER_JSON_BYTES:
+            raise TokenizerError(f"{tokenizer_json!r}: {size} bytes is too large for a tokenizer.json (limit "
+                                 f"{MAX_TOKENIZER_JSON_BYTES}); the file is corrupt")
+        backend = _rust(f"{tokenizer_json!r} could not be parsed by `tokenizers`", _Backend.from_file, tokenizer_json)
+        # Truncation or padding set in the file would silently cut or pad every prompt.
+        backend.no_truncation()
+        backend.no_padding()
+        config_path = os.path.join(path, "tokenizer_config.json")
+        config = _read_json(config_path)
+        gen_path = os.path.join(path, "generation_config.json")
+        generation = _read_json(gen_path)
 
         # Added tokens listed only in the config still have to match whole in text.
-        for index, entry in sorted((config.get("added_tokens_decoder") or {}).items(), key=lambda kv: int(kv[0])):
+        decoder = config.get("added_tokens_decoder") or {}
+        if not isinstance(decoder, Mapping) or not all(
+                isinstance(k, str) and k.isdigit() and len(k) < 10 and isinstance(v, Mapping)
+                for k, v in decoder.items()):
+            raise TokenizerError(f"{config_path!r}: added_tokens_decoder must map token ids to token objects")
+        bad = f"{config_path!r}: cannot add the tokens of added_tokens_decoder"
+        for index, entry in sorted(decoder.items(), key=lambda kv: int(kv[0])):
             content = entry.get("content")
-            if content and backend.token_to_id(content) is None:
-                added = AddedToken(content, special=bool(entry.get("special")), normalized=False)
-                (backend.add_special_tokens if entry.get("special") else backend.add_tokens)([added])
+            if content is not None and not isinstance(content, str):
+                raise TokenizerError(f"{config_path!r}: added token {index} has a non-string content")
+            special = entry.get("special")
+            if content and _rust(bad, backend.token_to_id, content) is None:
+                added = AddedToken(content, special=bool(special), normalized=False)
+                _rust(bad, backend.add_special_tokens if special else backend.add_tokens, [added])
 
         def special_id(name: str) -> int | None:
             value = config.get(name)
@@ -329,13 +365,27 @@ class Tokenizer:
                 value = value.get("content")
             if value is None:
                 return None
+            if not isinstance(value, str):
+                raise TokenizerError(f"{config_path!r}: {name} must be a token string, got {type(value).__name__}")
             token = backend.token_to_id(value)
             if token is None:
-                raise TokenizerError(f"{path!r}: {name} {value!r} of tokenizer_config.json is not in tokenizer.json")
+                raise TokenizerError(f"{path!r}: {name} {value[:40]!r} of tokenizer_config.json is not in "
+                                     "tokenizer.json")
             return token
 
+        vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+        def gen_id(key: str, value: Any) -> int:
+            _typed(gen_path, key, value, int, "an integer token id")
+            if not 0 <= value < vocab_size:
+                raise TokenizerError(f"{gen_path!r}: {key} {value} is outside the tokenizer's vocabulary "
+                                     f"[0, {vocab_size})")
+            return value
+
         gen_eos = generation.get("eos_token_id")
-        gen_eos = [gen_eos] if isinstance(gen_eos, int) else [int(i) for i in gen_eos or []]
+        if gen_eos is not None and not isinstance(gen_eos, list):
+            gen_eos = [gen_eos]
+        gen_eos = [gen_id("eos_token_id", i) for i in gen_eos or []]
         eos = special_id("eos_token")
         if eos is None:
             eos = gen_eos[0] if gen_eos else None
@@ -345,31 +395,37 @@ class Tokenizer:
                 "'eos_token_id'); add one so generation can stop"
             )
         bos = special_id("bos_token")
-        if bos is None and isinstance(generation.get("bos_token_id"), int):
-            bos = generation["bos_token_id"]
+        if bos is None and generation.get("bos_token_id") is not None:
+            bos = gen_id("bos_token_id", generation["bos_token_id"])
 
         template = config.get("chat_template")
+        origin = f"{config_path} (chat_template)"
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
             template = named.get("default")
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{config_path!r}: chat_template must be a string or a list of named templates, got "
+                                 f"{type(template).__name__}")
         jinja_file = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(jinja_file):  # newer transformers save it here, and it takes precedence there too
-            with open(jinja_file, encoding="utf-8") as f:
-                template = f.read()
+            template, origin = _read_text(jinja_file, MAX_TEMPLATE_FILE_BYTES), jinja_file
         return cls._assemble(
             backend,
-            vocab_size=backend.get_vocab_size(with_added_tokens=True),
+            vocab_size=vocab_size,
             bos=bos,
             eos=eos,
             pad=special_id("pad_token"),
             unk=special_id("unk_token"),
             extra_stops=gen_eos,
-            chat_template=template if isinstance(template, str) else None,
+            chat_template=template,
+            template_origin=origin,
+            source=tokenizer_json,
         )
 
     @classmethod
     def _assemble(cls, backend: _Backend, *, vocab_size: int, bos: int | None, eos: int, pad: int | None,
-                  unk: int | None, extra_stops: Iterable[int], chat_template: str | None) -> Tokenizer:
+                  unk: int | None, extra_stops: Iterable[int], chat_template: str | None,
+                  template_origin: str | None = None, source: str | None = None) -> Tokenizer:
         turn_ends = [backend.token_to_id(t) for t in _END_OF_TURN_TOKENS]
         stops = dict.fromkeys([eos, *extra_stops, *(t for t in turn_ends if t is not None)])
         return cls(
@@ -381,6 +437,8 @@ class Tokenizer:
             unk_token_id=unk,
             stop_token_ids=tuple(int(t) for t in stops),
             chat_template=chat_template,
+            chat_template_origin=template_origin,
+            source=source,
         )
 
     # -- encode / decode --------------------------------------------------------------------------
@@ -390,7 +448,8 @@ class Tokenizer:
         `add_special_tokens` adds what the model's post-processor prescribes (e.g. a BOS)."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return _rust(f"{self.source or 'the tokenizer'}: cannot encode this text", self._backend.encode, text,
+                     add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         """`encode` of each text (the Rust side runs them in parallel)."""
@@ -398,7 +457,9 @@ class Tokenizer:
         for text in texts:
             if not isinstance(text, str):
                 raise TokenizerError(f"encode_batch expects a list of str, got an item of type {type(text).__name__}")
-        return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        encoded = _rust(f"{self.source or 'the tokenizer'}: cannot encode these texts", self._backend.encode_batch,
+                        texts, add_special_tokens=add_special_tokens)
+        return [e.ids for e in encoded]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form valid UTF-8 become U+FFFD."""
@@ -406,7 +467,8 @@ class Tokenizer:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise TokenizerError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _rust(f"{self.source or 'the tokenizer'}: cannot decode these ids", self._backend.decode, ids,
+                     skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary string (byte-level spelling, e.g. 'Ġthe'), or None."""
@@ -423,8 +485,10 @@ class Tokenizer:
     # -- chat ---------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any) -> str:
-        """Render `messages` with the model's chat template (Jinja, sandboxed). Extra keyword `variables`
-        (e.g. tools=...) are passed to the template as is."""
+        """Render `messages` with the model's chat template (Jinja, sandboxed, with the limits of
+        `specjax.models.chat_template.TEMPLATE_LIMITS` on time, steps and size). Extra keyword `variables`
+        (e.g. tools=...) are passed to the template as is. A failing template, or one past a limit, raises a
+        TokenizerError (ChatTemplateError) naming the file the template came from."""
         if self.chat_template is None:
             raise TokenizerError(
                 "this tokenizer has no chat template; pass a raw prompt, or a model whose tokenizer_config.json "
@@ -438,24 +502,28 @@ class Tokenizer:
             if token is not None
         }
         context.update(variables)
-        try:
-            template = _compile_template(self.chat_template)
-            return template.render(messages=checked, add_generation_prompt=add_generation_prompt, **context)
-        except jinja2.TemplateError as err:
-            raise TokenizerError(f"the chat template failed: {err}") from err
+        context.update(messages=checked, add_generation_prompt=add_generation_prompt)
+        return chat_template.render(self.chat_template, context, self.chat_template_origin or "the chat template")
 
 
 def _read_json(path: str) -> dict:
+    """A JSON object file of a tokenizer directory ({} if absent); malformed -> TokenizerError naming it."""
     if not os.path.isfile(path):
         return {}
+    return read_json_file(path, TokenizerError)
+
+
+def _read_text(path: str, max_bytes: int) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as err:
-        raise TokenizerError(f"{path!r} is not valid JSON ({err})") from err
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path!r} should hold a JSON object")
-    return data
+        size = os.path.getsize(path)
+        if size > max_bytes:
+            raise TokenizerError(f"{path!r}: {size} bytes is too large (limit {max_bytes})")
+        with open(path, "rb") as f:
+            return f.read(max_bytes + 1).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TokenizerError(f"{path!r}: not UTF-8 text (byte {err.start}); the file is corrupt") from None
+    except OSError as err:
+        raise TokenizerError(f"{path!r}: cannot read ({err.strerror or err})") from None
 
 
 class IncrementalDecoder:
