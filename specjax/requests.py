@@ -1,11 +1,16 @@
 """Requests in and results out, below every runner: normalise and encode prompts, check each request against the
 context before anything compiles, stop ids and sampling arrays, padding, and the RequestOutput of a finished row.
 
+Host-side sampling options live here too, as pure functions: one row per sample (`expand_samples`: `n`, fresh
+seeds), stop strings (`stop_scan` / `safe_prefix_len` for streams, `truncate_at_stop` for a finished row) and
+the vLLM-shaped outputs (`CompletionOutput`, `RequestOutput.outputs`).
+
 Pure functions of what they need (tokenizer, vocabulary size, context length); none takes the LLM.
 """
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -18,7 +23,7 @@ from specjax.sampling import SamplingArrays
 
 FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 
-PromptLike = str | Sequence[int] | Sequence[Mapping[str, str]]
+PromptLike = str | Sequence[int] | Sequence[Mapping[str, str]] | Mapping[str, Any]
 
 
 class RequestError(SpecjaxError, ValueError):
@@ -49,13 +54,66 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One entry of `CompletionOutput.logprobs` (vLLM's shape): the token's log-probability under the processed
+    distribution, its rank in it (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One sample of a request (vLLM's CompletionOutput).
+
+    index: the sample's number among the request's n. token_ids: the emitted tokens (with stop strings, up to
+    and including the one that completed the first stop string); text: their text, cut before the stop string.
+    cumulative_logprob / logprobs: only when the request asked for logprobs (None otherwise); logprobs holds one
+    {token id: Logprob} per emitted token: the emitted token and the k most likely ones. finish_reason: "stop"
+    (end token, stop id or stop string) or "length"; stop_reason: the stop string or stop token id that ended
+    it (None for the tokenizer's end token or a length finish). seed: the seed the sample was drawn with (a
+    fresh one when the request's seed was None): passing it back reproduces the sample. metrics: this sample's.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    seed: int | None = None
+    metrics: RequestMetrics | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
 class RequestOutput:
+    """The result of one prompt (vLLM's RequestOutput): `outputs` holds its n samples. text, token_ids and
+    finish_reason read the first sample's (the fields of earlier specjax versions); metrics are the first
+    sample's when n = 1, all samples' together otherwise (`merge_metrics`)."""
+
     prompt: Any
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" | "length"
+    outputs: list[CompletionOutput]
     metrics: RequestMetrics
+    request_id: str = "0"
+    finished: bool = True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
 
 
 # ------------------------------------------------------------------------------------------------ input
@@ -63,32 +121,54 @@ class RequestOutput:
 
 def normalise(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
     """(prompts as a list, one SamplingParams per prompt) from what `LLM.generate` accepts."""
+    if is_prompt_dict(prompts):
+        prompts = [prompts]
     if not isinstance(prompts, (str, Sequence)):
         raise RequestError(f"prompts must be a string, a list of token ids, chat messages, or a list of those; "
                            f"got {type(prompts).__name__}")
     single = isinstance(prompts, str) or (
-        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (Mapping, int, np.integer)))
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (Mapping, int, np.integer))
+        and not is_prompt_dict(prompts[0]))
     prompts = [prompts] if single else list(prompts)
     if not prompts:
         raise RequestError("no prompts given")
+    return prompts, per_prompt_params(sampling_params, len(prompts))
+
+
+def is_prompt_dict(x) -> bool:
+    """vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": [...]} (not a chat message: no 'role')."""
+    return isinstance(x, Mapping) and "role" not in x and ("prompt" in x or "prompt_token_ids" in x)
+
+
+def per_prompt_params(sampling_params, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt from None, one SamplingParams or dict for all, or one per prompt."""
     if sampling_params is None or isinstance(sampling_params, (SamplingParams, Mapping)):
-        params = [SamplingParams.from_user(sampling_params)] * len(prompts)
-    else:
-        params = [SamplingParams.from_user(p) for p in sampling_params]
-        if len(params) != len(prompts):
-            raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
-    return prompts, params
+        return [SamplingParams.from_user(sampling_params)] * count
+    params = [SamplingParams.from_user(p) for p in sampling_params]
+    if len(params) != count:
+        raise RequestError(f"{len(params)} sampling params for {count} prompts; give one or one per prompt")
+    return params
 
 
-def encode_prompt(tokenizer, vocab_size: int, prompt: PromptLike, chat: bool | None) -> list[int]:
-    """Token ids of one prompt: text (wrapped in the chat template when `chat`), chat messages, or token ids
-    (checked against the vocabulary [0, vocab_size))."""
+def encode_prompt(tokenizer, vocab_size: int, prompt: PromptLike, chat: bool | None, *,
+                  add_generation_prompt: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None
+                  ) -> list[int]:
+    """Token ids of one prompt: text (wrapped in the chat template when `chat`), chat messages, token ids
+    (checked against the vocabulary [0, vocab_size)), or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}.
+    add_generation_prompt / chat_template_kwargs: passed to the chat template (e.g. {"enable_thinking": False})
+    when one is applied."""
+    kwargs = dict(chat_template_kwargs or {})
+
+    def render(messages) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, **kwargs))
+
+    if is_prompt_dict(prompt):
+        prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
     if isinstance(prompt, str):
-        if chat:
-            return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
-        return tokenizer.encode(prompt)
+        return render([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-        return tokenizer.encode(tokenizer.apply_chat_template(list(prompt)))
+        return render(prompt)
     if isinstance(prompt, Sequence) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -99,6 +179,19 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: PromptLike, chat: bool | N
         "a prompt must be a non-empty string, a list of token ids, or a list of chat messages "
         f"({{'role': ..., 'content': ...}}); got {type(prompt).__name__} {str(prompt)[:40]!r}"
     )
+
+
+def conversations(messages) -> list[list[Mapping[str, Any]]]:
+    """`LLM.chat`'s input as a list of conversations: one conversation (a list of {'role', 'content'} dicts) or
+    a list of them."""
+    if isinstance(messages, Sequence) and not isinstance(messages, str) and messages:
+        if all(isinstance(m, Mapping) for m in messages):
+            return [list(messages)]
+        if all(isinstance(c, Sequence) and not isinstance(c, str) and c and all(isinstance(m, Mapping) for m in c)
+               for c in messages):
+            return [list(c) for c in messages]
+    raise RequestError("chat takes one conversation (a list of {'role': ..., 'content': ...} messages) or a list "
+                       f"of conversations; got {type(messages).__name__} {str(messages)[:40]!r}")
 
 
 def check_request(i, ids: list[int], sp: SamplingParams, extra: int, max_context: int) -> None:
@@ -129,6 +222,46 @@ def check_requests(ids: list[list[int]], params: list[SamplingParams], extra: in
         check_request(i, t, sp, extra, max_context)
 
 
+# ------------------------------------------------------------------------------------------------ samples
+
+
+def fresh_seed() -> int:
+    """A seed from the operating system's randomness (32 bits: what the device's per-request key takes)."""
+    return secrets.randbits(32)
+
+
+def expand_samples(params: Sequence[SamplingParams]) -> tuple[list[SamplingParams], list[tuple[int, int]]]:
+    """One row per sample: (row params, [(prompt index, sample index)] per row). Request i's n samples become
+    n rows with n = 1 and seeds seed, seed + 1, ..., or each its own fresh seed when seed is None, so every
+    row's seed is fixed (and recorded) before anything runs."""
+    rows, owners = [], []
+    for i, sp in enumerate(params):
+        for j in range(sp.n):
+            seed = fresh_seed() if sp.seed is None else sp.seed + j
+            rows.append(dataclasses.replace(sp, n=1, seed=seed))
+            owners.append((i, j))
+    return rows, owners
+
+
+def check_supported(params: Sequence[SamplingParams], speculative: bool) -> None:
+    """Raise RequestError for options the decode loops cannot honour exactly yet: min_p, min_tokens and the
+    penalties change the distribution the device samples from (and, with speculation, the one verification
+    accepts against); they are refused rather than ignored."""
+    for i, sp in enumerate(params):
+        where = f"request {i}"
+        if sp.min_p > 0:
+            raise RequestError(f"{where}: min_p={sp.min_p} is not supported by the decode loop yet; use top_p / "
+                               "top_k, or min_p=0")
+        if sp.min_tokens > 0:
+            raise RequestError(f"{where}: min_tokens={sp.min_tokens} is not supported by the decode loop yet; use "
+                               "min_tokens=0 (or ignore_eos with a smaller max_tokens)")
+        if sp.has_penalties:
+            mode = "with speculation on (the verify pass would need them along each node's path)" if speculative \
+                else "by the decode loop yet"
+            raise RequestError(f"{where}: presence / frequency / repetition penalties are not supported {mode}; "
+                               "leave them at 0, 0 and 1")
+
+
 # ------------------------------------------------------------------------------------------------ arrays
 
 
@@ -145,7 +278,10 @@ def num_stop(tokenizer, params: list[SamplingParams]) -> int:
 
 def sampling_arrays(tokenizer, params: list[SamplingParams], batch: int, num_stop: int) -> SamplingArrays:
     """The per-request sampling values as [batch] arrays (stop ids [batch, num_stop], -1 padded); rows past
-    len(params) repeat the last request's values."""
+    len(params) repeat the last request's values. A seed of None takes a fresh one here (greedy rows: 0, it is
+    never read); callers that report seeds resolve them first (`expand_samples`). min_p / min_tokens arrays are
+    built only when some request sets them (None otherwise: the programs of other batches keep their inputs)."""
+    check_supported(params, speculative=False)
     params = list(params) + [params[-1]] * (batch - len(params))
 
     def stops(sp: SamplingParams) -> list[int]:
@@ -154,14 +290,22 @@ def sampling_arrays(tokenizer, params: list[SamplingParams], batch: int, num_sto
             raise RequestError(f"{len(ids)} stop token ids do not fit the {num_stop} slots of this bucket")
         return ids + [-1] * (num_stop - len(ids))
 
+    def seed(sp: SamplingParams) -> int:
+        if sp.seed is not None:
+            return sp.seed % (2 ** 32)
+        return 0 if sp.is_greedy else fresh_seed()
+
     # NumPy then one device_put: jnp.asarray would compile small conversion programs per new shape.
     return jax.device_put(SamplingArrays(
         temperature=np.asarray([p.temperature for p in params], np.float32),
         top_k=np.asarray([p.top_k for p in params], np.int32),
         top_p=np.asarray([p.top_p for p in params], np.float32),
-        seed=np.asarray([p.seed % (2 ** 32) for p in params], np.uint32),
+        seed=np.asarray([seed(p) for p in params], np.uint32),
         max_new_tokens=np.asarray([p.max_new_tokens for p in params], np.int32),
         stop_ids=np.asarray([stops(p) for p in params], np.int32),
+        min_p=np.asarray([p.min_p for p in params], np.float32) if any(p.min_p > 0 for p in params) else None,
+        min_tokens=(np.asarray([p.min_tokens for p in params], np.int32)
+                    if any(p.min_tokens > 0 for p in params) else None),
     ))
 
 
@@ -185,15 +329,166 @@ def finish_name(finish) -> str:
     return FINISH_NAMES.get(int(finish), "length")
 
 
-def build_output(tokenizer, prompt, prompt_ids, new_ids, finish, ttft: float, total: float,
-                 **spec: Any) -> RequestOutput:
+def build_output(tokenizer, prompt, prompt_ids, new_ids, finish, ttft: float, total: float, *,
+                 sampling: SamplingParams | None = None, **spec: Any) -> RequestOutput:
     """The RequestOutput of one finished row: new_ids the emitted tokens, finish its FINISH_* code, ttft/total
-    seconds of its batch; `spec` the speculative metrics (`spec_metrics`)."""
+    seconds of its batch; `spec` the speculative metrics (`spec_metrics`). With `sampling`, its stop strings are
+    applied (`finish_completion`)."""
     new_ids = [int(t) for t in new_ids]
     metrics = RequestMetrics(
         prompt_tokens=len(prompt_ids), new_tokens=len(new_ids), time_to_first_token=ttft, total_time=total,
         tokens_per_s=len(new_ids) / total if total > 0 else float("nan"), **spec)
-    return RequestOutput(prompt, list(prompt_ids), new_ids, tokenizer.decode(new_ids), finish_name(finish), metrics)
+    comp = CompletionOutput(0, tokenizer.decode(new_ids), new_ids, None, None, finish_name(finish), None,
+                            None if sampling is None else sampling.seed, metrics)
+    if sampling is not None:
+        comp = finish_completion(tokenizer, comp, sampling)
+    return RequestOutput(prompt, list(prompt_ids), [comp], comp.metrics)
+
+
+# ------------------------------------------------------------------------------------------------ stop strings
+
+
+def stop_match(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, str] | None:
+    """(index, stop string) of the first stop string completed in `text` read left to right (the occurrence
+    that ends first; of two ending together, the longer), ignoring occurrences that end at or before `start`;
+    None when there is none."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i >= 0:
+            key = (i + len(s), i)
+            if best is None or key < best[0]:
+                best = (key, s)
+    return None if best is None else (best[0][1], best[1])
+
+
+def stop_scan(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Where to cut `text` for its stop strings: the index of the first completed stop string (`stop_match`),
+    None when there is none. text[:index] is the output (the stop string excluded)."""
+    hit = stop_match(text, stops, start)
+    return None if hit is None else hit[0]
+
+
+def safe_prefix_len(text: str, stops: Sequence[str], start: int = 0) -> int:
+    """How many characters of a growing `text` a stream may emit now without ever emitting part of a stop
+    string: up to the cut when a stop string is complete; otherwise all but the longest tail of `text` that
+    could still grow into a stop string (a proper prefix of one). `start` as in `stop_match`."""
+    cut = stop_scan(text, stops, start)
+    if cut is not None:
+        return cut
+    hold = 0
+    for s in stops:
+        for h in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:h]):
+                hold = h
+                break
+    return len(text) - hold
+
+
+def truncate_at_stop(tokenizer, token_ids: Sequence[int], stops: Sequence[str], *, min_tokens: int = 0,
+                     include_stop: bool = False) -> tuple[list[int], str, str] | None:
+    """Cut a finished row at its first stop string: (token ids up to and including the token that completed it,
+    text cut before it (after it with include_stop), the stop string), or None when no stop string occurs.
+    Stop strings completed within the first `min_tokens` tokens do not count. A stop string may span several
+    tokens; tokens after the one that completes it (a verify step may emit several at once) are dropped.
+    The completing token is found by bisection over prefix decodes (log2(n) decodes)."""
+    ids = [int(t) for t in token_ids]
+    if not stops or not ids:
+        return None
+    start = len(tokenizer.decode(ids[:min_tokens])) if min_tokens else 0
+
+    def hit(k: int):
+        return stop_match(tokenizer.decode(ids[:k]), stops, start)
+
+    if hit(len(ids)) is None:
+        return None
+    lo, hi = max(min_tokens, 1), len(ids)  # hit(hi) holds; find the smallest such k
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if hit(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    text = tokenizer.decode(ids[:hi])
+    i, s = stop_match(text, stops, start)
+    return ids[:hi], text[:i + len(s)] if include_stop else text[:i], s
+
+
+def finish_completion(tokenizer, comp: CompletionOutput, sp: SamplingParams) -> CompletionOutput:
+    """A finished sample with its request's host-side stop rules applied: cut at the first stop string
+    (finish_reason "stop", stop_reason the string, metrics counting the kept tokens), or stop_reason set to
+    the request's own stop token id that ended it. Idempotent."""
+    cut = truncate_at_stop(tokenizer, comp.token_ids, sp.stop, min_tokens=sp.min_tokens,
+                           include_stop=sp.include_stop_str_in_output)
+    if cut is not None:
+        ids, text, s = cut
+        metrics = comp.metrics
+        if metrics is not None and len(ids) != metrics.new_tokens:
+            t = metrics.total_time
+            metrics = dataclasses.replace(metrics, new_tokens=len(ids),
+                                          tokens_per_s=len(ids) / t if t > 0 else float("nan"))
+        return dataclasses.replace(comp, text=text, token_ids=ids, finish_reason="stop", stop_reason=s,
+                                   metrics=metrics)
+    if comp.finish_reason == "stop" and comp.token_ids and comp.token_ids[-1] in sp.stop_token_ids:
+        return dataclasses.replace(comp, stop_reason=comp.token_ids[-1])
+    return comp
+
+
+class StopStream:
+    """Hold-back for one streamed sample with stop strings: `push(new_text)` returns what may be shown now
+    (never the start of a stop string, nothing after one), `close(final_text)` what is left once the sample's
+    final (cut) text is known, so that the pieces always join to the final text."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.text = ""  # everything received
+        self.sent = 0  # characters of `text` handed out
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self.text += piece
+        cut = stop_scan(self.text, self.stops)
+        n = safe_prefix_len(self.text, self.stops) if cut is None else cut
+        self.stopped = cut is not None
+        out, self.sent = self.text[self.sent:n], max(self.sent, n)
+        return out
+
+    def close(self, final_text: str) -> str:
+        shown = self.text[:self.sent]
+        self.stopped = True
+        return final_text[len(shown):] if final_text.startswith(shown) else ""
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def merge_metrics(ms: Sequence[RequestMetrics]) -> RequestMetrics:
+    """The metrics of a request's n samples together: token and step counts summed, rates recomputed from the
+    sums, time to first token the earliest, total time the longest (samples of one request run side by side)."""
+    if len(ms) == 1:
+        return ms[0]
+    total = max(m.total_time for m in ms)
+    new = sum(m.new_tokens for m in ms)
+    out = RequestMetrics(prompt_tokens=ms[0].prompt_tokens, new_tokens=new,
+                         time_to_first_token=min(m.time_to_first_token for m in ms), total_time=total,
+                         tokens_per_s=new / total if total > 0 else float("nan"), lossy=any(m.lossy for m in ms))
+    if all(m.verify_steps is not None for m in ms):
+        add = lambda name: sum(getattr(m, name) for m in ms)  # noqa: E731
+        addl = lambda name: [sum(v) for v in zip(*(getattr(m, name) for m in ms))]  # noqa: E731
+        drafted, accepted = add("drafted"), add("accepted")
+        steps, forwards = add("verify_steps"), add("target_forwards")
+        pa, pd = addl("per_position_accepted"), addl("per_position_drafted")
+        plain_and_verify = forwards - len(ms)  # each sample's prefill is one forward
+        out = dataclasses.replace(
+            out, drafted=drafted, accepted=accepted, acceptance_rate=accepted / drafted if drafted else 0.0,
+            mean_accepted_length=tau(accepted, steps),
+            tokens_per_forward=tokens_per_forward(accepted, plain_and_verify), verify_steps=steps,
+            target_forwards=forwards, per_position_accepted=pa, per_position_drafted=pd,
+            per_position_acceptance=[a / d if d else 0.0 for a, d in zip(pa, pd)],
+            draft_time=ms[0].draft_time, verify_time=ms[0].verify_time)
+    return out
 
 
 def _tokens_per_step(accepted: float, steps: int) -> float:

@@ -8,6 +8,12 @@ Top-k and top-p are sort-free: the cut-off value is found by bisection over the 
 of the value range), which needs only compares and sums. That keeps the program free of sorts (Neuron's
 compiler handles them poorly) and costs O(32 V), small next to the LM head. Ties at the cut-off are all kept,
 for p and q alike, so the processing stays a deterministic function of the logits.
+
+Min-p comes last (after top-p, like Hugging Face's warper order): it keeps the tokens whose probability is at
+least min_p times the most likely one's, a relative test that renormalisation does not change. `min_tokens`
+bans the request's stop ids until that many tokens are out (`banned_stops`); the ban is applied before every
+filter, so top-k counts allowed tokens only. `processed` is the one call that applies all of it from the
+SamplingArrays; `token_logprobs` gives log-probabilities under the same processing.
 """
 from __future__ import annotations
 
@@ -28,6 +34,10 @@ class SamplingArrays(NamedTuple):
     seed: jax.Array  # [B] uint32
     max_new_tokens: jax.Array  # [B] int32
     stop_ids: jax.Array  # [B, K] int32, -1 = unused slot
+    # Optional filters: None when no request of the batch uses them, so the programs of batches without them (and
+    # compile policies that build these arrays themselves) keep their inputs.
+    min_p: jax.Array | None = None  # [B] float32, 0 = off
+    min_tokens: jax.Array | None = None  # [B] int32, 0 = off: stop ids banned while fewer tokens are out
 
 
 def _top_k_threshold(x: jax.Array, k: jax.Array) -> jax.Array:
@@ -62,31 +72,44 @@ def _top_p_threshold(p: jax.Array, top_p: jax.Array) -> jax.Array:
 
 
 def process_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
+                   min_p: jax.Array | None = None, banned: jax.Array | None = None,
                    allow_cond: bool = True) -> jax.Array:
     """logits [B, ..., V] -> probabilities [B, ..., V] float32 that sampling uses.
 
-    temperature/top_k/top_p are [B] and broadcast over the middle axes (tree nodes, chain positions).
+    temperature/top_k/top_p/min_p are [B] and broadcast over the middle axes (tree nodes, chain positions);
+    min_p None = off for every row. banned: [B, ..., V] bool tokens given zero probability before any filter
+    (greedy rows take the argmax of the others), or None; at least one token per row must stay allowed.
     allow_cond: skip, with `lax.cond`, the work no row of the batch needs: everything but the argmax when every
-    row is greedy, the top-k bisection when no row sets top_k, the top-p bisection when no row sets top_p. The
-    skipped parts are exact no-ops for those rows, so the result is bit-identical either way; the bisections
-    cost about 1.7 ms per [V] row on a CPU core, which a verify pass over a tree pays once per node. False under
-    compile policies without `lax.cond` (Neuron).
+    row is greedy, the top-k bisection when no row sets top_k, the top-p bisection when no row sets top_p, the
+    min-p cut when no row sets min_p. The skipped parts are exact no-ops for those rows, so the result is
+    bit-identical either way; the bisections cost about 1.7 ms per [V] row on a CPU core, which a verify pass
+    over a tree pays once per node. False under compile policies without `lax.cond` (Neuron).
     """
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
     extra = logits.ndim - 2
     expand = lambda a: a.reshape(a.shape + (1,) * extra)
     t, k, tp = expand(temperature.astype(jnp.float32)), expand(top_k.astype(jnp.int32)), expand(top_p.astype(jnp.float32))
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    mp = None if min_p is None else expand(min_p.astype(jnp.float32))
+    argmax_of = logits if banned is None else jnp.where(banned, -jnp.inf, logits)
+    greedy = jax.nn.one_hot(jnp.argmax(argmax_of, axis=-1), V, dtype=jnp.float32)
     kk = jnp.where(k > 0, jnp.minimum(k, V), V)
 
     def cut_top_k(scaled):
-        kth = _top_k_threshold(scaled, kk)
-        return jnp.where(scaled >= kth[..., None], scaled, -jnp.inf)
+        # The bisection needs finite values: banned tokens sit at the lowest allowed value, where they are only
+        # counted when k reaches every allowed token (and then everything allowed is kept anyway).
+        finite = scaled if banned is None else jnp.where(
+            banned, jnp.min(jnp.where(banned, jnp.inf, scaled), axis=-1, keepdims=True), scaled)
+        kth = _top_k_threshold(finite, kk)
+        return jnp.where(finite >= kth[..., None], scaled, -jnp.inf)
 
     def cut_top_p(probs):
         pth = _top_p_threshold(probs, tp)
         return jnp.where((tp[..., None] >= 1.0) | (probs >= pth[..., None]), probs, 0.0)
+
+    def cut_min_p(probs):
+        # Relative to the row's most likely token: the same set before or after renormalisation.
+        return jnp.where(probs >= mp[..., None] * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
 
     def maybe(needed, fn, x):
         return jax.lax.cond(needed, fn, lambda y: y, x) if allow_cond else fn(x)
@@ -94,13 +117,80 @@ def process_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, 
     def sampled(logits):
         scaled = logits / jnp.where(t > 0, t, 1.0)[..., None]
         scaled = maybe(jnp.any(kk < V), cut_top_k, scaled)
+        if banned is not None:
+            scaled = jnp.where(banned, -jnp.inf, scaled)
         probs = maybe(jnp.any(tp < 1.0), cut_top_p, jax.nn.softmax(scaled, axis=-1))
+        if mp is not None:
+            probs = maybe(jnp.any(mp > 0.0), cut_min_p, probs)
         probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
         return jnp.where((t > 0)[..., None], probs, greedy)
 
     if not allow_cond:
         return sampled(logits)
     return jax.lax.cond(jnp.any(t > 0), sampled, lambda _: greedy, logits)
+
+
+def banned_stops(sampling: SamplingArrays, num_new: jax.Array, vocab_size: int) -> jax.Array | None:
+    """[B, ..., V] bool: each row's stop ids while it has emitted fewer than its min_tokens, None when the batch
+    has no min_tokens. num_new [B, ...] int32: tokens already emitted before the one being sampled (a verify
+    pass gives each tree node the count plus its depth)."""
+    if sampling.min_tokens is None:
+        return None
+    vocab = jnp.arange(vocab_size, dtype=jnp.int32)
+    is_stop = jnp.any(sampling.stop_ids[:, :, None] == vocab[None, None, :], axis=1)  # [B, V]; -1 never matches
+    extra = num_new.ndim - 1
+    stop = is_stop.reshape(is_stop.shape[:1] + (1,) * extra + is_stop.shape[1:])
+    early = num_new < sampling.min_tokens.reshape(sampling.min_tokens.shape + (1,) * extra)
+    return stop & early[..., None]
+
+
+def processed(logits: jax.Array, sampling: SamplingArrays, num_new: jax.Array | None = None, *,
+              allow_cond: bool = True) -> jax.Array:
+    """The distribution sampling draws from, every per-request option applied: logits [B, ..., V] ->
+    probabilities [B, ..., V]. num_new [B, ...] int32 as in `banned_stops` (needed only when sampling has
+    min_tokens). Plain decoding and the verify pass that accepts drafts must both build their target
+    distribution here, so that acceptance stays lossless with respect to what plain decoding samples."""
+    banned = None
+    if sampling.min_tokens is not None:
+        if num_new is None:
+            raise ValueError("processed: sampling has min_tokens, so pass num_new (tokens emitted so far)")
+        banned = banned_stops(sampling, num_new, logits.shape[-1])
+    return process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p, min_p=sampling.min_p,
+                          banned=banned, allow_cond=allow_cond)
+
+
+def greedy_tokens(logits: jax.Array, sampling: SamplingArrays, num_new: jax.Array | None = None) -> jax.Array:
+    """The greedy choice under `processed`'s rules without building the distribution: logits [B, ..., V] ->
+    argmax [B, ...] int32 over the tokens min_tokens allows (num_new as in `processed`). For the greedy shortcuts
+    of plain decoding and verification, which must pick what the one-hot of `processed` picks."""
+    if sampling.min_tokens is not None:
+        if num_new is None:
+            raise ValueError("greedy_tokens: sampling has min_tokens, so pass num_new (tokens emitted so far)")
+        logits = jnp.where(banned_stops(sampling, num_new, logits.shape[-1]), -jnp.inf, logits)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, sampling: SamplingArrays,
+                   k: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of `tokens` and of the k most likely tokens under the processed distribution.
+
+    logits [B, T, V], tokens [B, T] int32, sampling's [B] temperature/top_k/top_p/min_p; k static (>= 1).
+    Greedy rows (temperature 0) are scored at temperature 1 with their filters: a one-hot would say nothing.
+    Computed in the log domain (log_softmax of the kept tokens), so small probabilities keep their precision;
+    tokens the filters drop score -inf. Position j of T is the (j+1)-th emitted token (for min_tokens).
+    Returns (logprob [B, T], rank [B, T] int32 (1 = most likely), top_logprobs [B, T, k], top_ids [B, T, k]).
+    """
+    B, T, V = logits.shape
+    t = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0).astype(jnp.float32)
+    banned = banned_stops(sampling, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T)), V)
+    probs = process_logits(logits, t, sampling.top_k, sampling.top_p, min_p=sampling.min_p, banned=banned,
+                           allow_cond=False)
+    scaled = logits.astype(jnp.float32) / t[:, None, None]
+    logp = jax.nn.log_softmax(jnp.where(probs > 0, scaled, -jnp.inf), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    rank = 1 + jnp.sum(logp > chosen[..., None], axis=-1, dtype=jnp.int32)
+    vals, ids = top_k(logp, k)
+    return chosen, rank, vals, ids
 
 
 def sample(probs: jax.Array, u: jax.Array) -> jax.Array:

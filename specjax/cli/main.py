@@ -171,14 +171,12 @@ def cmd_chat(args) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        if _spec(cfg) is None:
-            outs = llm.generate([messages], cfg.sampling, None,
-                                stream=lambda i, text: print(text, end="", flush=True))
-            print()
-        else:
-            outs = llm.generate([messages], cfg.sampling, _spec(cfg))
-            print(outs[0].text)
-            m = outs[0].metrics
+        # Every method streams: a speculative loop hands its tokens over every few steps, like plain decoding.
+        outs = llm.generate([messages], cfg.sampling, _spec(cfg),
+                            stream=lambda i, text: print(text, end="", flush=True))
+        print()
+        m = outs[0].metrics
+        if m.acceptance_rate is not None:
             print(f"[acceptance {m.acceptance_rate:.2f}, tau {m.mean_accepted_length:.2f}, "
                   f"{m.tokens_per_forward:.2f} tokens per target forward, {m.tokens_per_s:.1f} tok/s]", file=sys.stderr)
         messages.append({"role": "assistant", "content": outs[0].text})

@@ -6,15 +6,17 @@ the fix. `load_run_config` builds the command line's config from the packaged YA
 """
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from specjax.config.files import _package_root, load_yaml, load_yaml_dict, packaged_config_path
-from specjax.config.machinery import ConfigError, _coerce, _invalid, _normalize, apply_overrides, from_dict, merge
+from specjax.config.machinery import (ConfigError, _coerce, _init_params, _invalid, _normalize, _unknown_key,
+                                      apply_overrides, from_dict, merge)
 
 __all__ = [
     "ModelConfig",
@@ -23,11 +25,31 @@ __all__ = [
     "BackendConfig",
     "RunConfig",
     "SPECULATIVE_METHODS",
+    "MAX_LOGPROBS",
     "load_run_config",
 ]
 
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "medusa", "eagle", "eagle3")
+MAX_LOGPROBS = 20  # most log-probabilities per token a request may ask for (vLLM's default cap)
+
+
+def _suggest_unknown_keys(cls: type) -> type:
+    """Make `cls(**kwargs)` with an unknown keyword raise a ConfigError naming the closest real field
+    (`SamplingParams(stpo=...)`: did you mean 'stop'?) instead of a bare TypeError. The wrapped __init__ keeps
+    its signature (functools.wraps), which `machinery` reads to learn the accepted keys."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        names, _ = _init_params(cls)
+        for key in kwargs:
+            if key not in names:
+                raise _unknown_key(key, "", cls.__name__, names)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
 
 
 def _from_user(cls: type, obj: Any, name: str) -> Any:
@@ -42,6 +64,7 @@ def _from_user(cls: type, obj: Any, name: str) -> Any:
     raise ConfigError(f"{name} must be None, a dict or {cls.__name__}, got {type(obj).__name__}")
 
 
+@_suggest_unknown_keys
 @dataclass(frozen=True)
 class ModelConfig:
     """Which target model to run. `model` is a registry name (e.g. 'smollm2-135m') or a local path;
@@ -60,28 +83,53 @@ class ModelConfig:
                            "must be >= 1; use null for the model's own context length")
 
 
+@_suggest_unknown_keys
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are sampled; also specjax's public Python sampling API (vLLM style).
+    """How tokens are sampled; also specjax's public Python sampling API, with vLLM's field names.
 
-    `temperature=0` is greedy decoding. `top_k=0` and `top_p=1` switch those filters off. `max_tokens` is
-    accepted as an input-only alias of `max_new_tokens`: `SamplingParams(temperature=0.7, max_tokens=64)`;
-    read the value back as `max_new_tokens`.
+    max_new_tokens: tokens to generate at most; `max_tokens` is the same value under vLLM's name, accepted on
+        input (`SamplingParams(max_tokens=64)`) and readable (`sp.max_tokens`).
+    temperature: 0 = greedy decoding. top_k: 0 = off. top_p: 1 = off. min_p: 0 = off; keeps tokens whose
+        probability is at least min_p times the most likely token's.
+    seed: None (the default) = fresh randomness: each request draws its own seed on the host when it is
+        submitted, recorded in its output (`CompletionOutput.seed`); an integer makes sampling reproducible.
+    stop: stop strings (one string or a list); the output text is cut before the first one, which is not
+        included (unless include_stop_str_in_output), and finish_reason is "stop".
+    stop_token_ids: extra token ids that end generation (kept in the output, like the end-of-sequence token).
+    ignore_eos: keep generating past the tokenizer's end tokens.
+    n: samples per prompt; sample i uses seed + i (or its own fresh seed when seed is None).
+    min_tokens: the stop ids and stop strings cannot end generation before this many tokens.
+    logprobs: None = none; k = the log-probability of each emitted token plus the k most likely ones, under
+        the processed distribution (`specjax.sampling.process_logits`) sampling drew from.
+    presence_penalty / frequency_penalty / repetition_penalty: vLLM's penalties; 0, 0 and 1 = off.
     """
 
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Union[str, tuple[str, ...]] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    n: int = 1
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: InitVar[Optional[int]] = None
 
     # Alternative key names accepted by from_dict / merge / apply_overrides (not a dataclass field).
     _config_aliases = types.MappingProxyType({"max_tokens": "max_new_tokens"})
 
     def __post_init__(self, max_tokens: Optional[int]) -> None:
+        if isinstance(self.stop, str):
+            # vLLM accepts one stop string as a plain string.
+            object.__setattr__(self, "stop", (self.stop,))
         _normalize(self)
         if max_tokens is not None:
             max_tokens = _coerce(int, max_tokens, "max_tokens")
@@ -99,16 +147,43 @@ class SamplingParams:
             raise _invalid("top_k", self.top_k, "must be >= 0; use 0 to switch top-k filtering off")
         if not (0 < self.top_p <= 1):
             raise _invalid("top_p", self.top_p, "must be in (0, 1]; use 1.0 to switch nucleus sampling off")
-        if self.seed < 0:
-            raise _invalid("seed", self.seed, "must be >= 0; use a non-negative integer seed")
+        if not (0 <= self.min_p <= 1):
+            raise _invalid("min_p", self.min_p, "must be in [0, 1]; use 0.0 to switch min-p filtering off")
+        if self.seed is not None and self.seed < 0:
+            raise _invalid("seed", self.seed, "must be >= 0; use a non-negative integer, or null for a fresh seed")
+        for i, text in enumerate(self.stop):
+            if not text:
+                raise _invalid(f"stop[{i}]", text, "stop strings must be non-empty; remove the empty one")
         for i, tok in enumerate(self.stop_token_ids):
             if tok < 0:
                 raise _invalid(f"stop_token_ids[{i}]", tok, "token ids must be >= 0")
+        if self.n < 1:
+            raise _invalid("n", self.n, "must be >= 1 (samples per prompt)")
+        if self.min_tokens < 0:
+            raise _invalid("min_tokens", self.min_tokens, "must be >= 0; use 0 to let generation stop at once")
+        if self.min_tokens > self.max_new_tokens:
+            raise _invalid("min_tokens", self.min_tokens,
+                           f"must be <= max_new_tokens={self.max_new_tokens}; lower it or raise max_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise _invalid("logprobs", self.logprobs,
+                           f"must be in [0, {MAX_LOGPROBS}] (top log-probabilities per token) or null for none")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise _invalid(name, value, "must be in [-2, 2]; use 0.0 to switch it off")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise _invalid("repetition_penalty", self.repetition_penalty,
+                           "must be a finite number > 0; use 1.0 to switch it off")
 
     @property
     def is_greedy(self) -> bool:
         """True when decoding is deterministic argmax (temperature 0)."""
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of presence / frequency / repetition penalty is switched on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @classmethod
     def from_user(cls, obj: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
@@ -116,6 +191,13 @@ class SamplingParams:
         return _from_user(cls, obj, "sampling_params")
 
 
+# `max_tokens` reads back as max_new_tokens. A property set after the dataclass is built: the generated __init__
+# keeps the InitVar's own default (None), and InitVars are never stored on the instance, so reads reach this.
+SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
+                                     doc="vLLM's name for max_new_tokens (the same value).")
+
+
+@_suggest_unknown_keys
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding settings (vLLM-compatible key names where vLLM has them).
@@ -233,6 +315,7 @@ def _check_tree(choices: tuple[tuple[int, ...], ...]) -> None:
                            f"its parent {list(parent)} is missing; every prefix of a path must be listed too")
 
 
+@_suggest_unknown_keys
 @dataclass(frozen=True)
 class BackendConfig:
     """Where to run. backend 'auto' picks the best available JAX platform; attention_impl names an attention
@@ -247,6 +330,7 @@ class BackendConfig:
             raise _invalid("attention_impl", self.attention_impl, "must not be empty; use 'auto'")
 
 
+@_suggest_unknown_keys
 @dataclass(frozen=True)
 class RunConfig:
     """The command line's top-level config: one YAML file (configs/default.yaml) maps onto it. Sections left out

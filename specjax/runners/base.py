@@ -5,14 +5,20 @@ supplies the parts that differ; the continuous-batching scheduler (`runners.batc
 `prefill` and `until_free`. A variant has:
 
   extra_slots                                     KV slots a step writes past the committed length (0: plain)
+  stream                                          None, or stream(prompt_index, new_text): `generate` streams
   buckets(n, max_prompt, max_new, num_stop)       -> Buckets (compiled ahead of time where the policy wants)
   prefill(b, tokens [B, P], lens [B], active [B], sampling) -> state (first token emitted)
   dec(state) -> DecodeState;  with_dec(state, dec) -> state
   loop(b, state, sampling, ids)                   -> state with every real row finished
+  chunks(b, state, sampling, ids)                 -> generator of states, one after each chunk of steps, the last
+                                                     with every real row finished (streaming: `stream_events`)
   until_free(b, state, sampling, max_steps)       -> state after running until a slot frees up (batch scheduler)
   state_shapes(b, sampling)                       -> the state's ShapeDtypeStructs, nothing run or compiled
   tracing()                                       -> the context entry points are traced in
   finish(state, new_ids)                          -> per-row extra metrics (dicts), after the loop
+
+Streaming runs the same compiled loop as `loop`, a few steps per call (the step count is a traced argument), so
+it compiles nothing more; between two calls the host turns the new tokens into text (`TextStream`).
 
 `llm` is anything with the public attributes of `specjax.api.LLM`: params, config, tokenizer, max_context,
 attention_fn, runtime, dtype.
@@ -22,15 +28,62 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from typing import Callable, Generator, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from specjax.engine import FINISH_RUNNING
 from specjax.requests import RequestOutput, build_output, check_requests, num_stop, pad_prompts, sampling_arrays
+
+# Steps (plain decode steps, or speculative steps: verify or backed-off plain) per loop call while streaming.
+# Measured with `python -m specjax.tools.stream_bench` on SmolLM2-135M (CPU): see the module docstring there.
+STREAM_CHUNK = 4
+
+Event = tuple[int, str]  # (prompt index, new text)
 
 
 def generate(llm, prompts, ids: list[list[int]], params: list, variant) -> list[RequestOutput]:
-    """Generate for `ids` (token lists, one per prompt; `prompts` as the user gave them) with one variant."""
+    """Generate for `ids` (token lists, one per prompt; `prompts` as the user gave them) with one variant. With
+    `variant.stream` set, new text is handed to stream(prompt_index, new_text) while decoding (`stream_events`)."""
+    if getattr(variant, "stream", None) is not None:
+        return drain(stream_events(llm, prompts, ids, params, variant), variant.stream)
+    b, sampling, state, t0, ttft = _start(llm, ids, params, variant)
+    state = variant.loop(b, state, sampling, ids)
+    return _outputs(llm, prompts, ids, variant, state, t0, ttft)
+
+
+def stream_events(llm, prompts, ids: list[list[int]], params: list,
+                  variant) -> Generator[Event, None, list[RequestOutput]]:
+    """`generate` as a generator: yields (prompt_index, new_text) events while decoding, and returns (as the
+    generator's return value, `outs = yield from stream_events(...)`) the same RequestOutputs `generate` returns.
+    The texts of one prompt's events, joined, are its output's text. Events come after the prefill (the first
+    token) and after every `variant.chunks` chunk of steps; the host looks at the output only between chunks,
+    so the device runs `chunk` steps uninterrupted. Time the caller spends between events counts in the
+    outputs' total_time."""
+    b, sampling, state, t0, ttft = _start(llm, ids, params, variant)
+    text = TextStream(llm.tokenizer, len(ids))
+    yield from text.push(variant.dec(state))
+    for state in variant.chunks(b, state, sampling, ids):
+        yield from text.push(variant.dec(state))
+    outs = _outputs(llm, prompts, ids, variant, state, t0, ttft)
+    yield from text.finish([o.text for o in outs])
+    return outs
+
+
+def drain(events: Generator[Event, None, list[RequestOutput]], stream: Callable[[int, str], None]):
+    """Call stream(prompt_index, new_text) for every event of a `stream_events` generator; return its outputs."""
+    while True:
+        try:
+            i, piece = next(events)
+        except StopIteration as done:
+            return done.value
+        stream(i, piece)
+
+
+def _start(llm, ids, params, variant):
+    """Check, bucket, pad and prefill. Returns (buckets, sampling arrays, state, start time, TTFT seconds)."""
     check_requests(ids, params, variant.extra_slots, llm.max_context)
     n = len(ids)
     b = variant.buckets(n, max(map(len, ids)), max(p.max_new_tokens for p in params),
@@ -40,10 +93,14 @@ def generate(llm, prompts, ids: list[list[int]], params: list, variant) -> list[
     t0 = time.perf_counter()
     state = variant.prefill(b, tokens, lens, active, sampling)
     jax.block_until_ready(variant.dec(state).last_token)
-    ttft = time.perf_counter() - t0
-    state = variant.loop(b, state, sampling, ids)
+    return b, sampling, state, t0, time.perf_counter() - t0
+
+
+def _outputs(llm, prompts, ids, variant, state, t0: float, ttft: float) -> list[RequestOutput]:
+    """The RequestOutputs of a finished state (waits for the loop: `total_time` ends here)."""
+    n = len(ids)
     dec = variant.dec(state)
-    out_tokens, num_new, finish = jax.device_get((dec.out_tokens, dec.num_new, dec.finish))  # waits for the loop
+    out_tokens, num_new, finish = jax.device_get((dec.out_tokens, dec.num_new, dec.finish))
     total = time.perf_counter() - t0
     new = [out_tokens[i, :num_new[i]].tolist() for i in range(n)]
     extra = variant.finish(state, new)
@@ -51,11 +108,58 @@ def generate(llm, prompts, ids: list[list[int]], params: list, variant) -> list[
             for i in range(n)]
 
 
+def any_running(dec) -> bool:
+    """Whether any row of a DecodeState is still running (waits for the device)."""
+    return bool(np.any(np.asarray(dec.finish) == FINISH_RUNNING))
+
+
+class TextStream:
+    """The text of each of a batch's first n rows as it grows: `push` turns the tokens emitted since the last
+    push into (row, new_text) events through one `models.tokenizer.IncrementalDecoder` per row (a character
+    split across tokens is held back until complete); `finish` sends what the final texts hold beyond what was
+    sent, so that a row's events always add up to its output's text."""
+
+    def __init__(self, tokenizer, n: int):
+        from specjax.models.tokenizer import IncrementalDecoder
+
+        self.decoders = [IncrementalDecoder(tokenizer) for _ in range(n)]
+        self.seen = [0] * n  # tokens of each row pushed into its decoder
+        self.sent = [""] * n  # text of each row handed out
+
+    def push(self, dec) -> Iterator[Event]:
+        """Events for the tokens a DecodeState holds beyond the last push. Copies out_tokens [B, max_new] and
+        num_new [B] to the host (np.array: owned copies, so no host view pins a buffer the next loop call
+        donates)."""
+        toks, num = (np.array(a) for a in jax.device_get((dec.out_tokens, dec.num_new)))
+        events = []
+        for i, d in enumerate(self.decoders):
+            piece = "".join(d.push(int(t)) for t in toks[i, self.seen[i]:num[i]])
+            self.seen[i] = int(num[i])
+            if piece:
+                self.sent[i] += piece
+                events.append((i, piece))
+        return iter(events)
+
+    def finish(self, texts: list[str]) -> Iterator[Event]:
+        """The last event of each row: its final text beyond what was sent (text held back as an incomplete
+        character, or nothing). When the final text does not start with what was sent (a tokenizer whose
+        decoding of a longer run rewrites earlier text), the decoder's own remainder is sent instead."""
+        events = []
+        for i, (d, full) in enumerate(zip(self.decoders, texts)):
+            rest = full[len(self.sent[i]):] if full.startswith(self.sent[i]) else d.flush()
+            if rest:
+                self.sent[i] += rest
+                events.append((i, rest))
+        return iter(events)
+
+
 class DeviceVariant:
     """What the device variants share: the state's shapes from an abstract prefill, the default tracing
-    context, no extra metrics."""
+    context, no extra metrics, no stream, and streaming in one chunk (the whole loop) unless a variant runs
+    its loop in chunks."""
 
     extra_slots = 0
+    stream = None
 
     def state_shapes(self, b, sampling):
         B, P = b.batch, b.prompt_len
@@ -66,6 +170,9 @@ class DeviceVariant:
 
     def tracing(self):
         return contextlib.nullcontext()
+
+    def chunks(self, b, state, sampling, ids):
+        yield self.loop(b, state, sampling, ids)
 
     def finish(self, state, new_ids: list[list[int]]) -> list[dict]:
         return [{} for _ in new_ids]

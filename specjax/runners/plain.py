@@ -1,5 +1,5 @@
 """Plain decoding as a variant of the host driver (`runners.base`): `engine.prefill`, then `engine.decode_loop`
-to the end, or in chunks of a few steps with new text handed to a callback (streaming)."""
+to the end, or in chunks of a few steps while streaming (the same compiled loop: its step count is traced)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -10,13 +10,12 @@ import numpy as np
 from specjax import engine
 from specjax.backoff import NO_LIMIT
 from specjax.buckets import make_buckets
-from specjax.runners.base import DeviceVariant
-
-STREAM_CHUNK = 4  # decode steps between two looks at the output while streaming
+from specjax.runners.base import STREAM_CHUNK, DeviceVariant, any_running
 
 
 class PlainVariant(DeviceVariant):
-    """stream: called as stream(prompt_index, new_text) while decoding, every `chunk` steps."""
+    """stream: called as stream(prompt_index, new_text) while decoding (`runners.base.generate`); chunk: decode
+    steps per loop call while streaming."""
 
     def __init__(self, llm, stream: Callable[[int, str], None] | None = None, chunk: int = STREAM_CHUNK):
         self.llm, self.stream, self.chunk = llm, stream, chunk
@@ -38,24 +37,12 @@ class PlainVariant(DeviceVariant):
                                   attention_fn=self.llm.attention_fn)
 
     def loop(self, b, state, sampling, ids):
-        if self.stream is None:
-            return self._run(state, sampling, NO_LIMIT)
-        from specjax.models.tokenizer import IncrementalDecoder
+        return self._run(state, sampling, NO_LIMIT)
 
-        n = len(ids)
-        decoders = [IncrementalDecoder(self.llm.tokenizer) for _ in range(n)]
-        seen = np.zeros(n, int)
-        while True:
-            new = np.asarray(state.num_new)[:n]
-            toks = np.asarray(state.out_tokens)[:n]
-            for i in range(n):
-                text = "".join(decoders[i].push(int(t)) for t in toks[i, seen[i]:new[i]])
-                if text:
-                    self.stream(i, text)
-            seen = new
-            if not np.any(np.asarray(state.finish)[:n] == engine.FINISH_RUNNING):
-                return state
+    def chunks(self, b, state, sampling, ids):
+        while any_running(state):
             state = self._run(state, sampling, self.chunk)
+            yield state
 
     def until_free(self, b, state, sampling, max_steps: int):
         return engine.decode_until_free(self.llm.params, self.llm.config, state, sampling, np.int32(max_steps),

@@ -1,13 +1,16 @@
 """Speculative generation as a variant of the host driver (`runners.base`): the drafter of a SpeculativeConfig
 (built once per LLM, `llm.runtime`), `spec_engine.spec_prefill`, then the loop.
 
-JAX drafters run the fused on-device loop (`spec_engine.spec_loop`, `device_loop`); with `profile=True`, and for
+JAX drafters run the fused on-device loop (`spec_engine.spec_loop`, `device_steps`); with `profile=True`, and for
 host-side drafters (suffix decoding), the host steps the same jitted verify+accept function and times drafting
-and verification apart (`host_loop`). Both back off by the rule of `specjax.backoff`.
+and verification apart (`host_steps`). Both back off by the rule of `specjax.backoff`. Both hand the state back
+every `chunk` steps while streaming (`runners.base.stream_events`): the device loop is the same compiled
+`spec_loop` called with a smaller step count (traced), so streaming compiles nothing more.
 """
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +24,7 @@ from specjax.config import SpeculativeConfig
 from specjax.drafters.base import Proposal
 from specjax.drafters.build import SpeculativeConfigError, build_drafter, resolve_draft_path  # noqa: F401
 from specjax.requests import spec_metrics
-from specjax.runners.base import DeviceVariant, generate as run_variant
+from specjax.runners.base import STREAM_CHUNK, DeviceVariant, any_running, generate as run_variant, stream_events
 from specjax.runners.runtime import SUFFIX_GLOBAL_SEQS  # noqa: F401  (tests size their own index by it)
 
 
@@ -34,12 +37,16 @@ def drafter_for(llm, spec: SpeculativeConfig) -> tuple:
 class SpecVariant(DeviceVariant):
     """A drafter's speculative loop. adaptive: the back-off rule (None: always speculate); spec: its config
     (the cache key of break-even and gain prior; None for a bare drafter); profile / force_verify: see
-    `generate`."""
+    `generate`; stream: None, or called as stream(prompt_index, new_text) while decoding
+    (`runners.base.generate`); chunk: speculative steps (verify or backed-off plain) per loop call while
+    streaming."""
 
     def __init__(self, llm, drafter, dparams, *, adaptive: Adaptive | None = None,
-                 spec: SpeculativeConfig | None = None, profile: bool = False, force_verify: bool = False):
+                 spec: SpeculativeConfig | None = None, profile: bool = False, force_verify: bool = False,
+                 stream: Callable[[int, str], None] | None = None, chunk: int = STREAM_CHUNK):
         self.llm, self.drafter, self.dparams = llm, drafter, dparams
         self.adaptive, self.spec, self.profile, self.force_verify = adaptive, spec, profile, force_verify
+        self.stream, self.chunk = stream, chunk
         self.extra_slots = drafter.tree.num_nodes
         self.host = None
         self.times = (None, None)  # (draft seconds, verify seconds) of a host-stepped loop
@@ -58,6 +65,15 @@ class SpecVariant(DeviceVariant):
         return state._replace(dec=dec)
 
     def loop(self, b, state, sampling, ids):
+        for state in self._steps(b, state, sampling, ids, NO_LIMIT):
+            pass
+        return state
+
+    def chunks(self, b, state, sampling, ids):
+        return self._steps(b, state, sampling, ids, self.chunk)
+
+    def _steps(self, b, state, sampling, ids, chunk: int):
+        """The loop as a generator of states, one every `chunk` steps and the finished one last."""
         llm, drafter, dparams = self.llm, self.drafter, self.dparams
         key = (self.spec, b.batch)
         if getattr(drafter, "host_side", False):
@@ -66,10 +82,11 @@ class SpecVariant(DeviceVariant):
             self.host = SuffixHostState(drafter, llm.runtime.suffix_index(drafter.max_depth).index, ids)
         if self.host is not None or self.profile:
             # Profiling times every drafted step, so it never backs off; host-side drafters back off on the host.
-            state, *self.times = host_loop(llm, drafter, dparams, state, sampling, len(ids), self.host,
-                                           None if self.profile else self.adaptive, key)
-            return state
-        return device_loop(llm, drafter, dparams, state, sampling, self.adaptive, key, self.force_verify)
+            self.times = yield from host_steps(llm, drafter, dparams, state, sampling, len(ids), self.host,
+                                               None if self.profile else self.adaptive, key, chunk)
+            return
+        yield from device_steps(llm, drafter, dparams, state, sampling, self.adaptive, key, self.force_verify,
+                                chunk)
 
     def until_free(self, b, state, sampling, max_steps: int):
         return spec_engine.spec_until_free(self.llm.params, self.llm.config, self.dparams, self.drafter, state,
@@ -85,53 +102,83 @@ class SpecVariant(DeviceVariant):
         return [spec_metrics(stats, i, *self.times, lossy) for i in range(len(new_ids))]
 
 
-def variant_for(llm, spec: SpeculativeConfig, *, profile: bool = False, force_verify: bool = False) -> SpecVariant:
+def variant_for(llm, spec: SpeculativeConfig, *, profile: bool = False, force_verify: bool = False,
+                stream: Callable[[int, str], None] | None = None, chunk: int = STREAM_CHUNK) -> SpecVariant:
     """The SpecVariant of a config: its drafter (cached on the LLM) and back-off rule."""
     drafter, dparams = drafter_for(llm, spec)
     return SpecVariant(llm, drafter, dparams, adaptive=adaptive_rule(drafter, spec), spec=spec, profile=profile,
-                       force_verify=force_verify)
+                       force_verify=force_verify, stream=stream, chunk=chunk)
 
 
 def generate(llm, prompts, ids, params, spec: SpeculativeConfig, *, profile: bool = False,
-             force_verify: bool = False):
+             force_verify: bool = False, stream: Callable[[int, str], None] | None = None,
+             chunk: int = STREAM_CHUNK):
     """Speculative generation of `ids` (token lists, one per prompt) for `LLM.generate`. profile: step from the
     host and time draft against verify. force_verify: every step of a device loop verifies, also where the
     drafter found nothing (a lookup miss verifies the root alone; steps the back-off rule turns plain stay
     plain); for timing verify steps (`tune`), not for serving: a miss then costs a verify instead of a plain
-    step. Greedy output is the same either way."""
-    variant = variant_for(llm, spec, profile=profile, force_verify=force_verify)
+    step. Greedy output is the same either way. stream: called as stream(prompt_index, new_text) while
+    decoding, every `chunk` steps; the output is the same, token for token."""
+    variant = variant_for(llm, spec, profile=profile, force_verify=force_verify, stream=stream, chunk=chunk)
     return run_variant(llm, prompts, ids, params, variant)
 
 
+def generate_events(llm, prompts, ids, params, spec: SpeculativeConfig, *, chunk: int = STREAM_CHUNK):
+    """`generate` as a generator (`runners.base.stream_events`): yields (prompt_index, new_text) every `chunk`
+    steps; its return value (`outs = yield from generate_events(...)`) is generate's list of RequestOutputs."""
+    return stream_events(llm, prompts, ids, params, variant_for(llm, spec, chunk=chunk))
+
+
 def device_loop(llm, drafter, dparams, state, sampling, adaptive, key, force_verify: bool = False):
-    """Run `spec_loop` to the end. With a back-off rule, the first generation of a (config, batch bucket)
-    calibrates its break-even on this hardware (`calibrate`); later ones reuse it from `llm.runtime.break_even`.
-    force_verify: every drafted step verifies, also where nothing was proposed (for timing verify steps, see
-    `tune`); steps the back-off rule turns plain stay plain."""
-    def loop(state, steps: int, **kw):
-        return spec_engine.spec_loop(llm.params, llm.config, dparams, drafter, state, sampling, jnp.int32(steps),
+    """Run `spec_loop` to the end (`device_steps` in one call); returns the finished state."""
+    for state in device_steps(llm, drafter, dparams, state, sampling, adaptive, key, force_verify):
+        pass
+    return state
+
+
+def device_steps(llm, drafter, dparams, state, sampling, adaptive, key, force_verify: bool = False,
+                 chunk: int = NO_LIMIT):
+    """Run `spec_loop` until every row finished, at most `chunk` steps per call, yielding the state after each
+    call (the last one yielded is finished; with chunk = NO_LIMIT that is the only one: one loop call, the
+    host never looks at the state between steps). Every call runs the one compiled loop (its step count is traced), and the
+    state carries everything a step reads (caches, RNG step, back-off gains), so the tokens are the same for
+    any chunk. With a back-off rule, the first generation of a (config, batch bucket) calibrates its
+    break-even on this hardware (`calibrate`, before the first chunk); later ones reuse it from
+    `llm.runtime.break_even`. force_verify: every drafted step verifies, also where nothing was proposed (for
+    timing verify steps, see `tune`); steps the back-off rule turns plain stay plain."""
+    def loop(state, steps, **kw):
+        return spec_engine.spec_loop(llm.params, llm.config, dparams, drafter, state, sampling, steps,
                                      attention_fn=llm.attention_fn, **kw)
 
+    steps = jnp.int32(chunk)
+    rt = llm.runtime
     if adaptive is None:
         # None (not False) when not forced: the loop compiled for ordinary generations stays the one used.
-        return loop(state, NO_LIMIT, force_verify=jnp.bool_(True) if force_verify else None)
+        forced = jnp.bool_(True) if force_verify else None
+        run = lambda state: loop(state, steps, force_verify=forced)  # noqa: E731
+    else:
+        def timed_run(state, steps: int, min_gain: float, force: bool = False):
+            return loop(state, jnp.int32(steps), adaptive=adaptive, min_gain=jnp.float32(min_gain),
+                        force_verify=jnp.bool_(force or force_verify))
 
-    def run(state, steps: int, min_gain: float, force: bool = False):
-        return loop(state, steps, adaptive=adaptive, min_gain=jnp.float32(min_gain),
-                    force_verify=jnp.bool_(force or force_verify))
-
-    rt = llm.runtime
-    floor = rt.break_even.get(key)
-    prior = rt.gain_priors.get(key) if adaptive.carry_prior else None
-    if prior is not None:
-        state = state._replace(gain=jnp.full(state.gain.shape, prior, jnp.float32))
-    if floor is None:
-        state, floor = calibrate(run, state)
-        if floor is not None:
-            rt.break_even[key] = floor
-    state = run(state, NO_LIMIT, adaptive.min_gain if floor is None else floor)
-    _remember_gain(rt, key, state.stats)
-    return state
+        floor = rt.break_even.get(key)
+        prior = rt.gain_priors.get(key) if adaptive.carry_prior else None
+        if prior is not None:
+            state = state._replace(gain=jnp.full(state.gain.shape, prior, jnp.float32))
+        if floor is None:
+            state, floor = calibrate(timed_run, state)
+            if floor is not None:
+                rt.break_even[key] = floor
+        kw = dict(adaptive=adaptive, min_gain=jnp.float32(adaptive.min_gain if floor is None else floor),
+                  force_verify=jnp.bool_(force_verify))
+        run = lambda state: loop(state, steps, **kw)  # noqa: E731
+    state = run(state)
+    while chunk < NO_LIMIT and any_running(state.dec):
+        yield state
+        state = run(state)
+    if adaptive is not None:
+        _remember_gain(rt, key, state.stats)
+    yield state
 
 
 def learned_state(llm) -> dict:
@@ -184,8 +231,20 @@ def _warm_verify_sizes(llm, drafter, dparams, state, sampling) -> None:
 
 
 def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=None, key=None):
+    """`host_steps` to the end. Returns (finished state, draft seconds, verify seconds)."""
+    steps = host_steps(llm, drafter, dparams, state, sampling, n, host, adaptive, key)
+    while True:
+        try:
+            state = next(steps)
+        except StopIteration as done:
+            return (state, *done.value)
+
+
+def host_steps(llm, drafter, dparams, state, sampling, n, host=None, adaptive=None, key=None,
+               chunk: int = NO_LIMIT):
     """Step from the host: propose (jitted, or on the host for host-side drafters), then the jitted
-    verify+accept. Returns (state, draft seconds, verify seconds).
+    verify+accept. A generator: yields the state every `chunk` steps and the finished state last; returns
+    (draft seconds, verify seconds), the time the caller spends between yields not counted.
 
     A host-side drafter's deterministic proposal is cut to the smallest of `spec_engine.verify_sizes` node
     counts that holds it (`spec_engine.trim_proposal`): a short suffix match costs a short verify forward. Every
@@ -218,11 +277,15 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
         times["plain"].append(time.perf_counter() - t)
         return state
 
+    done = 0  # steps taken
     while True:
         finish = np.asarray(state.dec.finish)
         running = finish == engine.FINISH_RUNNING
         if not np.any(running[:n]):
             break
+        if done and done % chunk == 0:
+            yield state
+        done += 1
         if adaptive is not None:
             g, gap, want, batch = backoff_decide(adaptive, floor, gain, idle, gap, running, xp=np)
             if not batch:
@@ -275,4 +338,5 @@ def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=Non
             rt.break_even[key] = floor
     if adaptive is not None:
         _remember_gain(rt, key, state.stats)
-    return state, draft_t, verify_t
+    yield state
+    return draft_t, verify_t

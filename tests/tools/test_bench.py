@@ -345,8 +345,8 @@ def test_plain_runs_first_and_a_later_plain_runs_again_as_a_drift_check():
 
 def test_tree_methods_are_labelled_by_their_shape():
     """Tree and chain forms of one head get distinct labels naming the shape (side-by-side tables)."""
-    assert bench.method_from_name("eagle3")[0] == "eagle3(tree 4x4, 12 nodes)"
-    assert bench.method_from_name("eagle3_chain")[0] == "eagle3(chain 4)"
+    assert bench.method_from_name("eagle")[0] == "eagle(tree 4x4, 12 nodes)"
+    assert bench.method_from_name("eagle3")[0] == "eagle3(chain 4)"  # the shipped EAGLE-3 shape on CPU
     assert bench.method_from_name("medusa_chain")[0] == "medusa(chain 4)"
     assert bench.method_from_name("medusa_typical")[0] == "medusa(15 nodes) LOSSY"
     assert bench.method_from_name("ngram")[0] == "ngram(k=4)"
