@@ -10,15 +10,18 @@ supplies the parts that differ; the continuous-batching scheduler (`runners.batc
   prefill(b, tokens [B, P], lens [B], active [B], sampling) -> state (first token emitted)
   dec(state) -> DecodeState;  with_dec(state, dec) -> state
   loop(b, state, sampling, ids)                   -> state with every real row finished
-  chunks(b, state, sampling, ids)                 -> generator of states, one after each chunk of steps, the last
-                                                     with every real row finished (streaming: `stream_events`)
+  chunks(b, state, sampling, ids)                 -> generator (streaming, `stream_events`): yields what the host
+                                                     may read of the output after each chunk of steps (`Progress`
+                                                     copies, or the DecodeState itself before the next step runs)
+                                                     and returns the state with every real row finished
   until_free(b, state, sampling, max_steps)       -> state after running until a slot frees up (batch scheduler)
   state_shapes(b, sampling)                       -> the state's ShapeDtypeStructs, nothing run or compiled
   tracing()                                       -> the context entry points are traced in
   finish(state, new_ids)                          -> per-row extra metrics (dicts), after the loop
 
 Streaming runs the same compiled loop as `loop`, a few steps per call (the step count is a traced argument), so
-it compiles nothing more; between two calls the host turns the new tokens into text (`TextStream`).
+it compiles nothing more, one call ahead of the host (`chunk_views`): while chunk k + 1 runs, the host turns chunk
+k's new tokens into text (`TextStream`).
 
 `llm` is anything with the public attributes of `specjax.api.LLM`: params, config, tokenizer, max_context,
 attention_fn, runtime, dtype.
@@ -28,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Callable, Generator, Iterator
+from typing import Callable, Generator, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +45,47 @@ from specjax.requests import RequestOutput, build_output, check_requests, num_st
 STREAM_CHUNK = 4
 
 Event = tuple[int, str]  # (prompt index, new text)
+
+
+class Progress(NamedTuple):
+    """What a stream reads of a DecodeState, as copies that outlive the next loop call's donation."""
+
+    out_tokens: jax.Array  # [B, max_new] int32
+    num_new: jax.Array  # [B] int32
+    finish: jax.Array  # [B] int32 FINISH_*
+
+
+@jax.jit
+def progress(out_tokens, num_new, finish) -> Progress:
+    """Copies of a DecodeState's out_tokens [B, max_new], num_new [B] and finish [B]. Jitted (one tiny program
+    per bucket); jnp.copy keeps them new buffers: the next loop call donates the originals."""
+    return Progress(jnp.copy(out_tokens), jnp.copy(num_new), jnp.copy(finish))
+
+
+def chunk_views(run: Callable, state, dec_of: Callable) -> Generator[Progress, None, object]:
+    """Drive run(state) -> state (one loop call of a few steps, state donated) until every row finished, one
+    call ahead of the host: after chunk k is dispatched, a `progress` copy of its output and chunk k + 1 are
+    dispatched, and only then is the copy yielded, so the device runs chunk k + 1 while the host reads chunk k
+    (waiting for chunk k alone) and turns it into text; the host's wake-up and Python time never idle the
+    device. Once every row finished, the call already dispatched runs no step. dec_of(state) -> DecodeState.
+    Returns the finished state."""
+    state = run(state)
+    while True:
+        dec = dec_of(state)
+        view = progress(dec.out_tokens, dec.num_new, dec.finish)
+        state = run(state)
+        yield view
+        if not any_running(view):
+            return state
+
+
+def run_to_end(steps: Generator):
+    """The return value of a generator run to its end, what it yields dropped (a `chunks` loop, not streamed)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def generate(llm, prompts, ids: list[list[int]], params: list, variant) -> list[RequestOutput]:
@@ -65,8 +109,15 @@ def stream_events(llm, prompts, ids: list[list[int]], params: list,
     b, sampling, state, t0, ttft = _start(llm, ids, params, variant)
     text = TextStream(llm.tokenizer, len(ids))
     yield from text.push(variant.dec(state))
-    for state in variant.chunks(b, state, sampling, ids):
-        yield from text.push(variant.dec(state))
+    steps = variant.chunks(b, state, sampling, ids)
+    while True:
+        try:
+            view = next(steps)
+        except StopIteration as done:
+            state = done.value
+            break
+        yield from text.push(view)
+    yield from text.push(variant.dec(state))
     outs = _outputs(llm, prompts, ids, variant, state, t0, ttft)
     yield from text.finish([o.text for o in outs])
     return outs
@@ -109,7 +160,7 @@ def _outputs(llm, prompts, ids, variant, state, t0: float, ttft: float) -> list[
 
 
 def any_running(dec) -> bool:
-    """Whether any row of a DecodeState is still running (waits for the device)."""
+    """Whether any row of a DecodeState (or `Progress`) is still running (waits for the device)."""
     return bool(np.any(np.asarray(dec.finish) == FINISH_RUNNING))
 
 
@@ -127,9 +178,9 @@ class TextStream:
         self.sent = [""] * n  # text of each row handed out
 
     def push(self, dec) -> Iterator[Event]:
-        """Events for the tokens a DecodeState holds beyond the last push. Copies out_tokens [B, max_new] and
-        num_new [B] to the host (np.array: owned copies, so no host view pins a buffer the next loop call
-        donates)."""
+        """Events for the tokens a DecodeState (or `Progress`) holds beyond the last push. Copies out_tokens
+        [B, max_new] and num_new [B] to the host (np.array: owned copies, so no host view pins a buffer that a
+        loop call donates)."""
         toks, num = (np.array(a) for a in jax.device_get((dec.out_tokens, dec.num_new)))
         events = []
         for i, d in enumerate(self.decoders):
@@ -155,8 +206,8 @@ class TextStream:
 
 class DeviceVariant:
     """What the device variants share: the state's shapes from an abstract prefill, the default tracing
-    context, no extra metrics, no stream, and streaming in one chunk (the whole loop) unless a variant runs
-    its loop in chunks."""
+    context, no extra metrics, no stream, and streaming in one chunk (the whole loop: the text comes at the
+    end) unless a variant runs its loop in chunks."""
 
     extra_slots = 0
     stream = None
@@ -172,7 +223,8 @@ class DeviceVariant:
         return contextlib.nullcontext()
 
     def chunks(self, b, state, sampling, ids):
-        yield self.loop(b, state, sampling, ids)
+        yield from ()  # nothing to show before the loop ends: the text comes with the outputs
+        return self.loop(b, state, sampling, ids)
 
     def finish(self, state, new_ids: list[list[int]]) -> list[dict]:
         return [{} for _ in new_ids]

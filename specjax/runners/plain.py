@@ -10,7 +10,7 @@ import numpy as np
 from specjax import engine
 from specjax.backoff import NO_LIMIT
 from specjax.buckets import make_buckets
-from specjax.runners.base import STREAM_CHUNK, DeviceVariant, any_running
+from specjax.runners.base import STREAM_CHUNK, DeviceVariant, chunk_views
 
 
 class PlainVariant(DeviceVariant):
@@ -40,9 +40,7 @@ class PlainVariant(DeviceVariant):
         return self._run(state, sampling, NO_LIMIT)
 
     def chunks(self, b, state, sampling, ids):
-        while any_running(state):
-            state = self._run(state, sampling, self.chunk)
-            yield state
+        return (yield from chunk_views(lambda st: self._run(st, sampling, self.chunk), state, lambda st: st))
 
     def until_free(self, b, state, sampling, max_steps: int):
         return engine.decode_until_free(self.llm.params, self.llm.config, state, sampling, np.int32(max_steps),

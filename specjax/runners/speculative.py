@@ -24,7 +24,8 @@ from specjax.config import SpeculativeConfig
 from specjax.drafters.base import Proposal
 from specjax.drafters.build import SpeculativeConfigError, build_drafter, resolve_draft_path  # noqa: F401
 from specjax.requests import spec_metrics
-from specjax.runners.base import STREAM_CHUNK, DeviceVariant, any_running, generate as run_variant, stream_events
+from specjax.runners.base import (STREAM_CHUNK, DeviceVariant, chunk_views, generate as run_variant, run_to_end,
+                                  stream_events)
 from specjax.runners.runtime import SUFFIX_GLOBAL_SEQS  # noqa: F401  (tests size their own index by it)
 
 
@@ -65,15 +66,14 @@ class SpecVariant(DeviceVariant):
         return state._replace(dec=dec)
 
     def loop(self, b, state, sampling, ids):
-        for state in self._steps(b, state, sampling, ids, NO_LIMIT):
-            pass
-        return state
+        return run_to_end(self._steps(b, state, sampling, ids, NO_LIMIT))
 
     def chunks(self, b, state, sampling, ids):
         return self._steps(b, state, sampling, ids, self.chunk)
 
     def _steps(self, b, state, sampling, ids, chunk: int):
-        """The loop as a generator of states, one every `chunk` steps and the finished one last."""
+        """The loop as a generator (a variant's `chunks`, see `runners.base`): yields the output every `chunk`
+        steps, returns the finished state."""
         llm, drafter, dparams = self.llm, self.drafter, self.dparams
         key = (self.spec, b.batch)
         if getattr(drafter, "host_side", False):
@@ -82,11 +82,12 @@ class SpecVariant(DeviceVariant):
             self.host = SuffixHostState(drafter, llm.runtime.suffix_index(drafter.max_depth).index, ids)
         if self.host is not None or self.profile:
             # Profiling times every drafted step, so it never backs off; host-side drafters back off on the host.
-            self.times = yield from host_steps(llm, drafter, dparams, state, sampling, len(ids), self.host,
-                                               None if self.profile else self.adaptive, key, chunk)
-            return
-        yield from device_steps(llm, drafter, dparams, state, sampling, self.adaptive, key, self.force_verify,
-                                chunk)
+            state, *self.times = yield from host_steps(llm, drafter, dparams, state, sampling, len(ids),
+                                                       self.host, None if self.profile else self.adaptive, key,
+                                                       chunk)
+            return state
+        return (yield from device_steps(llm, drafter, dparams, state, sampling, self.adaptive, key,
+                                        self.force_verify, chunk))
 
     def until_free(self, b, state, sampling, max_steps: int):
         return spec_engine.spec_until_free(self.llm.params, self.llm.config, self.dparams, self.drafter, state,
@@ -131,16 +132,15 @@ def generate_events(llm, prompts, ids, params, spec: SpeculativeConfig, *, chunk
 
 def device_loop(llm, drafter, dparams, state, sampling, adaptive, key, force_verify: bool = False):
     """Run `spec_loop` to the end (`device_steps` in one call); returns the finished state."""
-    for state in device_steps(llm, drafter, dparams, state, sampling, adaptive, key, force_verify):
-        pass
-    return state
+    return run_to_end(device_steps(llm, drafter, dparams, state, sampling, adaptive, key, force_verify))
 
 
 def device_steps(llm, drafter, dparams, state, sampling, adaptive, key, force_verify: bool = False,
                  chunk: int = NO_LIMIT):
-    """Run `spec_loop` until every row finished, at most `chunk` steps per call, yielding the state after each
-    call (the last one yielded is finished; with chunk = NO_LIMIT that is the only one: one loop call, the
-    host never looks at the state between steps). Every call runs the one compiled loop (its step count is traced), and the
+    """Run `spec_loop` until every row finished; returns the finished state. A generator: with chunk = NO_LIMIT,
+    one loop call and nothing yielded; otherwise at most `chunk` steps per call, one call ahead of the host,
+    yielding each call's output (`runners.base.chunk_views`). Every call runs the one compiled loop (its step
+    count is traced), and the
     state carries everything a step reads (caches, RNG step, back-off gains), so the tokens are the same for
     any chunk. With a back-off rule, the first generation of a (config, batch bucket) calibrates its
     break-even on this hardware (`calibrate`, before the first chunk); later ones reuse it from
@@ -172,13 +172,13 @@ def device_steps(llm, drafter, dparams, state, sampling, adaptive, key, force_ve
         kw = dict(adaptive=adaptive, min_gain=jnp.float32(adaptive.min_gain if floor is None else floor),
                   force_verify=jnp.bool_(force_verify))
         run = lambda state: loop(state, steps, **kw)  # noqa: E731
-    state = run(state)
-    while chunk < NO_LIMIT and any_running(state.dec):
-        yield state
+    if chunk < NO_LIMIT:
+        state = yield from chunk_views(run, state, lambda st: st.dec)
+    else:
         state = run(state)
     if adaptive is not None:
         _remember_gain(rt, key, state.stats)
-    yield state
+    return state
 
 
 def learned_state(llm) -> dict:
@@ -232,19 +232,15 @@ def _warm_verify_sizes(llm, drafter, dparams, state, sampling) -> None:
 
 def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=None, key=None):
     """`host_steps` to the end. Returns (finished state, draft seconds, verify seconds)."""
-    steps = host_steps(llm, drafter, dparams, state, sampling, n, host, adaptive, key)
-    while True:
-        try:
-            state = next(steps)
-        except StopIteration as done:
-            return (state, *done.value)
+    return run_to_end(host_steps(llm, drafter, dparams, state, sampling, n, host, adaptive, key))
 
 
 def host_steps(llm, drafter, dparams, state, sampling, n, host=None, adaptive=None, key=None,
                chunk: int = NO_LIMIT):
     """Step from the host: propose (jitted, or on the host for host-side drafters), then the jitted
-    verify+accept. A generator: yields the state every `chunk` steps and the finished state last; returns
-    (draft seconds, verify seconds), the time the caller spends between yields not counted.
+    verify+accept. A generator: yields the DecodeState every `chunk` steps (read before the next step donates
+    it: the host waits for every step here anyway); returns (finished state, draft seconds, verify seconds),
+    the time the caller spends between yields not counted.
 
     A host-side drafter's deterministic proposal is cut to the smallest of `spec_engine.verify_sizes` node
     counts that holds it (`spec_engine.trim_proposal`): a short suffix match costs a short verify forward. Every
@@ -284,7 +280,7 @@ def host_steps(llm, drafter, dparams, state, sampling, n, host=None, adaptive=No
         if not np.any(running[:n]):
             break
         if done and done % chunk == 0:
-            yield state
+            yield state.dec
         done += 1
         if adaptive is not None:
             g, gap, want, batch = backoff_decide(adaptive, floor, gain, idle, gap, running, xp=np)
@@ -338,5 +334,4 @@ def host_steps(llm, drafter, dparams, state, sampling, n, host=None, adaptive=No
             rt.break_even[key] = floor
     if adaptive is not None:
         _remember_gain(rt, key, state.stats)
-    yield state
-    return draft_t, verify_t
+    return state, draft_t, verify_t

@@ -55,8 +55,9 @@ def one_call(llm, ids, sp, spec, chunk: int | None) -> tuple[float, float, int, 
 
 def boundary_cost(llm, ids, sp, spec, calls: int = 50) -> tuple[float, float] | None:
     """(wall, CPU) seconds the host adds at each chunk boundary, measured directly: a loop call that runs no
-    step (chunk 0: the dispatch of the compiled loop and its return), the check whether a row still runs, and
-    the look at the output (`TextStream.push`); the median over `calls` calls on a prefilled state (a median:
+    step (chunk 0: the copy of the output and the dispatch of the compiled loop, `runners.base.chunk_views`),
+    the look at the output (`TextStream.push`) and the check whether a row still runs; the median over `calls`
+    calls on a prefilled state (a median:
     on a busy machine a few calls are descheduled for far longer than the call itself). Streaming at chunk c
     then costs about this / (c x seconds per step). None for host-stepped drafters (their loop syncs every
     step)."""
@@ -73,7 +74,7 @@ def boundary_cost(llm, ids, sp, spec, calls: int = 50) -> tuple[float, float] | 
     wall, cpu = [], []
     for _ in range(calls):
         t, c = time.perf_counter(), time.process_time()
-        list(text.push(variant.dec(next(chunks))))
+        list(text.push(next(chunks)))
         wall.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
     return statistics.median(wall), statistics.median(cpu)
