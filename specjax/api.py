@@ -95,8 +95,9 @@ class LLM:
     def num_stop(self, params: list[SamplingParams]) -> int:
         return requests.num_stop(self.tokenizer, params)
 
-    def sampling_arrays(self, params: list[SamplingParams], batch: int, num_stop: int) -> SamplingArrays:
-        return requests.sampling_arrays(self.tokenizer, params, batch, num_stop)
+    def sampling_arrays(self, params: list[SamplingParams], batch: int, num_stop: int,
+                        prompts: list[list[int]] | None = None) -> SamplingArrays:
+        return requests.sampling_arrays(self.tokenizer, params, batch, num_stop, prompts, self.config.vocab_size)
 
     # ------------------------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params=None, speculative_config=None, *, chat: bool | None = None,
@@ -155,7 +156,6 @@ class LLM:
         RequestOutput per prompt."""
         spec = (self.speculative_config if speculative_config is None
                 else SpeculativeConfig.from_user(speculative_config))
-        requests.check_supported(params, spec.enabled)
         if stream is not None and any(p.n > 1 for p in params):
             raise RequestError("stream hands out one text per prompt, so it needs n = 1; drop n or the stream")
         rows, owners = requests.expand_samples(params)
@@ -231,7 +231,8 @@ class LLM:
         positions[0, :N] = np.arange(P - 1, P - 1 + N)
         targets = np.zeros((1, Nb), np.int32)
         targets[0, :N] = out
-        sampling = requests.sampling_arrays(self.tokenizer, [sp], 1, max(1, requests.num_stop(self.tokenizer, [sp])))
+        sampling = requests.sampling_arrays(self.tokenizer, [sp], 1, max(1, requests.num_stop(self.tokenizer, [sp])),
+                                            [list(prompt_ids)], self.config.vocab_size)
         chosen, rank, vals, top = jax.device_get(_score_tokens(self.params, self.config, jnp.asarray(tokens),
                                                                jnp.asarray(positions), jnp.asarray(targets),
                                                                sampling, k))

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from specjax.buckets import PREFILL_CHUNK, Buckets, make_buckets  # noqa: F401  (re-exported: engine.Buckets)
 from specjax.kv_cache import KVCache, init_cache
 from specjax.models.llama import LlamaConfig, forward
-from specjax.sampling import SamplingArrays, process_logits, sample, uniforms
+from specjax.sampling import (SamplingArrays, greedy_tokens, has_penalties, output_counts, processed, sample,
+                              uniforms)
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 
@@ -98,9 +99,11 @@ def first_token_state(cache: KVCache, last_logits: jax.Array, active: jax.Array,
                       max_new: int) -> DecodeState:
     """The decode state right after a prefill: sample each row's first token from its last prompt logits [B, V]
     and emit it. cache: the prefilled cache, lengths = prompt lengths. Pure."""
-    B = last_logits.shape[0]
+    B, V = last_logits.shape
     # No lax.cond here: every compile policy (Neuron's too) compiles this prefill, and it samples one row once.
-    probs = process_logits(last_logits, sampling.temperature, sampling.top_k, sampling.top_p, allow_cond=False)
+    nothing = jnp.zeros((B,), jnp.int32)
+    counts = jnp.zeros((B, V), jnp.int32) if has_penalties(sampling) else None
+    probs = processed(last_logits, sampling, nothing, counts, allow_cond=False)
     step0 = jnp.zeros((B,), jnp.int32)
     first = sample(probs, uniforms(sampling.seed, step0, ())).astype(jnp.int32)
     state = DecodeState(
@@ -224,16 +227,19 @@ def decode_step_deferred(params: dict, config: LlamaConfig, state: DecodeState, 
     cache = state.cache
     out = forward(params, config, state.last_token[:, None], cache.lengths[:, None], cache, attention_fn=attention_fn,
                   hidden_layers=feature_layers(features), write_cache=write_cache)
+    logits = out.logits[:, 0]
+    # The output so far (the token being forwarded included) for the penalties; None when the batch has none.
+    counts = output_counts(state.out_tokens, state.num_new, logits.shape[-1]) if has_penalties(sampling) else None
+
     def sampled(logits):  # [B, V] -> [B]
-        probs = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p, allow_cond=allow_cond)
+        probs = processed(logits, sampling, state.num_new, counts, allow_cond=allow_cond)
         return sample(probs, uniforms(sampling.seed, state.step, ())).astype(jnp.int32)
 
     def greedy(logits):
         # What `sampled` returns for greedy rows (the one-hot of the argmax, sampled), without the uniforms, the
-        # cumulative sum and the one-hot over the vocabulary: 0.35 ms of a 22 ms step at batch 1 on a CPU.
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        # cumulative sum and the one-hot over the vocabulary.
+        return greedy_tokens(logits, sampling, state.num_new, counts)
 
-    logits = out.logits[:, 0]
     if allow_cond:
         tok = jax.lax.cond(jnp.any(sampling.temperature > 0), sampled, greedy, logits)
     else:

@@ -243,25 +243,6 @@ def expand_samples(params: Sequence[SamplingParams]) -> tuple[list[SamplingParam
     return rows, owners
 
 
-def check_supported(params: Sequence[SamplingParams], speculative: bool) -> None:
-    """Raise RequestError for options the decode loops cannot honour exactly yet: min_p, min_tokens and the
-    penalties change the distribution the device samples from (and, with speculation, the one verification
-    accepts against); they are refused rather than ignored."""
-    for i, sp in enumerate(params):
-        where = f"request {i}"
-        if sp.min_p > 0:
-            raise RequestError(f"{where}: min_p={sp.min_p} is not supported by the decode loop yet; use top_p / "
-                               "top_k, or min_p=0")
-        if sp.min_tokens > 0:
-            raise RequestError(f"{where}: min_tokens={sp.min_tokens} is not supported by the decode loop yet; use "
-                               "min_tokens=0 (or ignore_eos with a smaller max_tokens)")
-        if sp.has_penalties:
-            mode = "with speculation on (the verify pass would need them along each node's path)" if speculative \
-                else "by the decode loop yet"
-            raise RequestError(f"{where}: presence / frequency / repetition penalties are not supported {mode}; "
-                               "leave them at 0, 0 and 1")
-
-
 # ------------------------------------------------------------------------------------------------ arrays
 
 
@@ -276,12 +257,22 @@ def num_stop(tokenizer, params: list[SamplingParams]) -> int:
     return max(len(stop_ids(tokenizer, p)) for p in params)
 
 
-def sampling_arrays(tokenizer, params: list[SamplingParams], batch: int, num_stop: int) -> SamplingArrays:
+def uses_options(params: Sequence[SamplingParams]) -> bool:
+    """Whether any request sets min_p, min_tokens or a penalty (the optional SamplingArrays)."""
+    return any(p.min_p > 0 or p.min_tokens > 0 or p.has_penalties for p in params)
+
+
+def sampling_arrays(tokenizer, params: list[SamplingParams], batch: int, num_stop: int,
+                    prompts: Sequence[Sequence[int]] | None = None, vocab_size: int | None = None,
+                    all_options: bool = False) -> SamplingArrays:
     """The per-request sampling values as [batch] arrays (stop ids [batch, num_stop], -1 padded); rows past
     len(params) repeat the last request's values. A seed of None takes a fresh one here (greedy rows: 0, it is
     never read); callers that report seeds resolve them first (`expand_samples`). min_p / min_tokens arrays are
-    built only when some request sets them (None otherwise: the programs of other batches keep their inputs)."""
-    check_supported(params, speculative=False)
+    built only when some request sets them, the penalties' arrays only when some request has penalties (None
+    otherwise: the programs of other batches keep their inputs). prompts (token ids, one per request) and the
+    model's vocab_size are needed only then: the repetition penalty covers the prompt's tokens. all_options
+    builds every optional array whatever the requests set (neutral values are exact no-ops), so that a
+    long-lived batch whose rows change keeps one program (`uses_options` tells whether any request needs them)."""
     params = list(params) + [params[-1]] * (batch - len(params))
 
     def stops(sp: SamplingParams) -> list[int]:
@@ -295,6 +286,20 @@ def sampling_arrays(tokenizer, params: list[SamplingParams], batch: int, num_sto
             return sp.seed % (2 ** 32)
         return 0 if sp.is_greedy else fresh_seed()
 
+    penalties = {}
+    if all_options or any(p.has_penalties for p in params):
+        if prompts is None or vocab_size is None:
+            raise ValueError("sampling_arrays: a request has penalties, so pass prompts and vocab_size")
+        prompts = list(prompts) + [prompts[-1]] * (batch - len(prompts))
+        mask = np.zeros((batch, vocab_size), bool)
+        for r, ids in enumerate(prompts):
+            ids = np.asarray(ids, np.int64)
+            mask[r, ids[(ids >= 0) & (ids < vocab_size)]] = True
+        penalties = dict(
+            presence_penalty=np.asarray([p.presence_penalty for p in params], np.float32),
+            frequency_penalty=np.asarray([p.frequency_penalty for p in params], np.float32),
+            repetition_penalty=np.asarray([p.repetition_penalty for p in params], np.float32),
+            prompt_mask=mask)
     # NumPy then one device_put: jnp.asarray would compile small conversion programs per new shape.
     return jax.device_put(SamplingArrays(
         temperature=np.asarray([p.temperature for p in params], np.float32),
@@ -303,9 +308,11 @@ def sampling_arrays(tokenizer, params: list[SamplingParams], batch: int, num_sto
         seed=np.asarray([seed(p) for p in params], np.uint32),
         max_new_tokens=np.asarray([p.max_new_tokens for p in params], np.int32),
         stop_ids=np.asarray([stops(p) for p in params], np.int32),
-        min_p=np.asarray([p.min_p for p in params], np.float32) if any(p.min_p > 0 for p in params) else None,
+        min_p=(np.asarray([p.min_p for p in params], np.float32)
+               if all_options or any(p.min_p > 0 for p in params) else None),
         min_tokens=(np.asarray([p.min_tokens for p in params], np.int32)
-                    if any(p.min_tokens > 0 for p in params) else None),
+                    if all_options or any(p.min_tokens > 0 for p in params) else None),
+        **penalties,
     ))
 
 

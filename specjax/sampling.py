@@ -12,8 +12,13 @@ for p and q alike, so the processing stays a deterministic function of the logit
 Min-p comes last (after top-p, like Hugging Face's warper order): it keeps the tokens whose probability is at
 least min_p times the most likely one's, a relative test that renormalisation does not change. `min_tokens`
 bans the request's stop ids until that many tokens are out (`banned_stops`); the ban is applied before every
-filter, so top-k counts allowed tokens only. `processed` is the one call that applies all of it from the
-SamplingArrays; `token_logprobs` gives log-probabilities under the same processing.
+filter, so top-k counts allowed tokens only. The penalties (`penalize`) come first of all, on the raw logits,
+as in vLLM: repetition divides positive and multiplies negative logits of every token seen in the prompt or the
+output, then frequency subtracts per occurrence in the output and presence once per token present in it. They
+depend on the tokens emitted before the one being sampled: plain decoding counts its output (`output_counts`),
+a verify pass adds each tree node's own path (`path_counts`), so the distribution verification accepts against
+is the one plain decoding samples from, node by node. `processed` is the one call that applies all of it from
+the SamplingArrays; `token_logprobs` gives log-probabilities under the same processing.
 """
 from __future__ import annotations
 
@@ -38,6 +43,12 @@ class SamplingArrays(NamedTuple):
     # compile policies that build these arrays themselves) keep their inputs.
     min_p: jax.Array | None = None  # [B] float32, 0 = off
     min_tokens: jax.Array | None = None  # [B] int32, 0 = off: stop ids banned while fewer tokens are out
+    # Penalties (vLLM's semantics), all four set or all None: presence and frequency act on the output tokens,
+    # repetition on the prompt's and the output's (`penalize`).
+    presence_penalty: jax.Array | None = None  # [B] float32, 0 = off
+    frequency_penalty: jax.Array | None = None  # [B] float32, 0 = off
+    repetition_penalty: jax.Array | None = None  # [B] float32, 1 = off
+    prompt_mask: jax.Array | None = None  # [B, V] bool: tokens of the row's prompt
 
 
 def _top_k_threshold(x: jax.Array, k: jax.Array) -> jax.Array:
@@ -144,12 +155,66 @@ def banned_stops(sampling: SamplingArrays, num_new: jax.Array, vocab_size: int) 
     return stop & early[..., None]
 
 
-def processed(logits: jax.Array, sampling: SamplingArrays, num_new: jax.Array | None = None, *,
-              allow_cond: bool = True) -> jax.Array:
+def has_penalties(sampling: SamplingArrays) -> bool:
+    """Whether the batch's SamplingArrays carry penalties (static: the arrays are present or None)."""
+    return sampling.repetition_penalty is not None
+
+
+def output_counts(out_tokens: jax.Array, num_new: jax.Array, vocab_size: int) -> jax.Array:
+    """[B, V] int32 occurrences of each token among a row's first num_new [B] entries of out_tokens [B, M]
+    (one scatter-add of B x M ones, not a one-hot over the vocabulary)."""
+    B, M = out_tokens.shape
+    ok = jnp.arange(M)[None, :] < num_new[:, None]
+    idx = jnp.where(ok, out_tokens, vocab_size)  # out of range: dropped
+    b = jnp.broadcast_to(jnp.arange(B)[:, None], (B, M))
+    return jnp.zeros((B, vocab_size), jnp.int32).at[b, idx].add(1, mode="drop")
+
+
+def path_counts(base: jax.Array, tokens: jax.Array, path_mask: jax.Array) -> jax.Array:
+    """[B, N, V] int32: base [B, V] (the output so far, root included) plus, for each tree node n, the tokens
+    of the nodes m with path_mask [B, N, N][b, n, m] (its drafted ancestors and itself, the root excluded by
+    the caller): what plain decoding would have emitted before sampling the token after node n.
+    tokens [B, N] int32."""
+    B, N = tokens.shape
+    V = base.shape[-1]
+    idx = jnp.where(path_mask, tokens[:, None, :], V)  # [B, N, N]
+    b = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, N, N))
+    n = jnp.broadcast_to(jnp.arange(N)[None, :, None], (B, N, N))
+    return jnp.broadcast_to(base[:, None, :], (B, N, V)).at[b, n, idx].add(1, mode="drop")
+
+
+def penalize(logits: jax.Array, sampling: SamplingArrays, counts: jax.Array) -> jax.Array:
+    """vLLM's penalties on raw logits [B, ..., V] given counts [B, ..., V] (output tokens emitted before the one
+    being sampled): repetition over prompt and output tokens, then frequency and presence over the output.
+    Rows with the neutral values (0, 0, 1) come out bit-identical. Returns float32 logits."""
+    logits = logits.astype(jnp.float32)
+    extra = logits.ndim - 2
+    expand = lambda a: a.reshape(a.shape[:1] + (1,) * extra + a.shape[1:])  # noqa: E731
+    rp = expand(sampling.repetition_penalty.astype(jnp.float32))[..., None]
+    freq = expand(sampling.frequency_penalty.astype(jnp.float32))[..., None]
+    pres = expand(sampling.presence_penalty.astype(jnp.float32))[..., None]
+    present = counts > 0
+    seen = present | expand(sampling.prompt_mask)
+    logits = jnp.where(seen & (rp != 1.0), jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    return logits - freq * counts.astype(jnp.float32) - pres * present.astype(jnp.float32)
+
+
+def _penalized(logits: jax.Array, sampling: SamplingArrays, counts: jax.Array | None, who: str) -> jax.Array:
+    if not has_penalties(sampling):
+        return logits
+    if counts is None:
+        raise ValueError(f"{who}: sampling has penalties, so pass counts (the output tokens emitted so far)")
+    return penalize(logits, sampling, counts)
+
+
+def processed(logits: jax.Array, sampling: SamplingArrays, num_new: jax.Array | None = None,
+              counts: jax.Array | None = None, *, allow_cond: bool = True) -> jax.Array:
     """The distribution sampling draws from, every per-request option applied: logits [B, ..., V] ->
     probabilities [B, ..., V]. num_new [B, ...] int32 as in `banned_stops` (needed only when sampling has
-    min_tokens). Plain decoding and the verify pass that accepts drafts must both build their target
-    distribution here, so that acceptance stays lossless with respect to what plain decoding samples."""
+    min_tokens); counts [B, ..., V] as in `penalize` (needed only when sampling has penalties). Plain decoding
+    and the verify pass that accepts drafts must both build their target distribution here, so that
+    acceptance stays lossless with respect to what plain decoding samples."""
+    logits = _penalized(logits, sampling, counts, "processed")
     banned = None
     if sampling.min_tokens is not None:
         if num_new is None:
@@ -159,10 +224,13 @@ def processed(logits: jax.Array, sampling: SamplingArrays, num_new: jax.Array | 
                           banned=banned, allow_cond=allow_cond)
 
 
-def greedy_tokens(logits: jax.Array, sampling: SamplingArrays, num_new: jax.Array | None = None) -> jax.Array:
+def greedy_tokens(logits: jax.Array, sampling: SamplingArrays, num_new: jax.Array | None = None,
+                  counts: jax.Array | None = None) -> jax.Array:
     """The greedy choice under `processed`'s rules without building the distribution: logits [B, ..., V] ->
-    argmax [B, ...] int32 over the tokens min_tokens allows (num_new as in `processed`). For the greedy shortcuts
-    of plain decoding and verification, which must pick what the one-hot of `processed` picks."""
+    argmax [B, ...] int32 of the penalized logits over the tokens min_tokens allows (num_new and counts as in
+    `processed`). For the greedy shortcuts of plain decoding and verification, which must pick what the one-hot
+    of `processed` picks."""
+    logits = _penalized(logits, sampling, counts, "greedy_tokens")
     if sampling.min_tokens is not None:
         if num_new is None:
             raise ValueError("greedy_tokens: sampling has min_tokens, so pass num_new (tokens emitted so far)")
@@ -181,6 +249,10 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, sampling: SamplingArray
     Returns (logprob [B, T], rank [B, T] int32 (1 = most likely), top_logprobs [B, T, k], top_ids [B, T, k]).
     """
     B, T, V = logits.shape
+    if has_penalties(sampling):
+        # Position j is scored after tokens[:, :j]: an exclusive running count over the output.
+        onehot = jax.nn.one_hot(tokens, V, dtype=jnp.int32)
+        logits = penalize(logits, sampling, jnp.cumsum(onehot, axis=1) - onehot)
     t = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0).astype(jnp.float32)
     banned = banned_stops(sampling, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T)), V)
     probs = process_logits(logits, t, sampling.top_k, sampling.top_p, min_p=sampling.min_p, banned=banned,

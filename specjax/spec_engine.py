@@ -28,7 +28,8 @@ from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step_de
                             prefill_core, target_features, until_free)
 from specjax.kv_cache import gather_path, write_path
 from specjax.models.llama import LlamaConfig, forward
-from specjax.sampling import SamplingArrays, process_logits, uniforms
+from specjax.sampling import (SamplingArrays, greedy_tokens, has_penalties, output_counts, path_counts, processed,
+                              uniforms)
 from specjax.tree import TreeSpec, ancestor_mask_from_parents, chain
 
 TARGET_STREAM = 1  # RNG stream of the acceptance uniforms
@@ -143,16 +144,24 @@ def _verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spe
     out = forward(params, config, proposal.tokens, positions, cache, tree_mask, attention_fn=attention_fn,
                   hidden_layers=feature_layers(features), write_cache=attention_fn is not None)
 
+    # Each node's logits give the token after it: min_tokens and the penalties see the output plus the node's
+    # drafted path (the root is already in the output), as plain decoding would at that point.
+    num_new = dec.num_new[:, None] + depth  # [B, N]
+    counts = None
+    if has_penalties(sampling):
+        drafted_path = tree_mask & (jnp.arange(N) > 0)[None, None, :]
+        counts = path_counts(output_counts(dec.out_tokens, dec.num_new, out.logits.shape[-1]), proposal.tokens,
+                             drafted_path)  # [B, N, V]
+
     def general(logits):
-        p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p,
-                           allow_cond=allow_cond)  # [B, N, V]
+        p = processed(logits, sampling, num_new, counts, allow_cond=allow_cond)  # [B, N, V]
         u = uniforms(sampling.seed, dec.step, (N + 1,), stream=TARGET_STREAM)
         return acceptance.accept(proposal.tokens, proposal.parents, proposal.valid, p, proposal.q,
                                  u[:, :N], u[:, N], mode)
 
     def greedy(logits):  # the same AcceptResult from the argmax alone (see greedy_accept_tree)
         return acceptance.greedy_accept_tree(proposal.tokens, proposal.parents, proposal.valid,
-                                             jnp.argmax(logits, axis=-1).astype(jnp.int32))
+                                             greedy_tokens(logits, sampling, num_new, counts))
 
     if allow_cond and not isinstance(mode, acceptance.TypicalMode):
         result = jax.lax.cond(jnp.any(sampling.temperature > 0), general, greedy, out.logits)

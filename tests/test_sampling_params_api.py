@@ -6,11 +6,12 @@
 * stop strings: `stop_scan` / `stop_match` / `safe_prefix_len` against a brute-force reference on random texts,
   `StopStream` (any chunking of a stream joins to the cut text and never shows part of a stop string), and
   `truncate_at_stop` (a stop string spanning tokens keeps the token that completed it, drops the rest).
-* samples: `expand_samples` seeds (seed + i, or fresh per row), `sampling_arrays` (None seeds, optional arrays),
-  refusals of what the decode loops cannot honour yet.
+* samples: `expand_samples` seeds (seed + i, or fresh per row), `sampling_arrays` (None seeds, optional arrays
+  built when a request uses them or when asked for, the prompt mask of the repetition penalty).
 * the processed distribution: min-p against a NumPy reference and by chi-square through `sample`, min_tokens'
   stop-id ban, and the acceptance sampler lossless (chi-square) for a target processed with min-p;
-  `token_logprobs` against NumPy.
+  `token_logprobs` against NumPy; the penalties against a NumPy transcription of vLLM's rules, `path_counts`
+  against counting each node's path by hand, neutral penalties bit-identical.
 """
 from __future__ import annotations
 
@@ -285,19 +286,22 @@ def test_sampling_arrays_seeds_and_optional_arrays():
     assert int(fixed.seed[0]) == 5
 
 
-@pytest.mark.parametrize("sp, pattern", [
-    (SamplingParams(min_p=0.1), "min_p=0.1 is not supported"),
-    (SamplingParams(min_tokens=2), "min_tokens=2 is not supported"),
-    (SamplingParams(repetition_penalty=1.1), "penalties are not supported"),
-])
-def test_options_the_loops_cannot_honour_are_refused(sp, pattern):
-    with pytest.raises(requests.RequestError, match=pattern):
-        requests.check_supported([sp], speculative=False)
-    with pytest.raises(requests.RequestError, match=pattern):
-        requests.sampling_arrays(_Tok(), [sp], 1, 4)  # every runner builds its arrays here: none ignores them
-    if sp.has_penalties:
-        with pytest.raises(requests.RequestError, match="with speculation on"):
-            requests.check_supported([sp], speculative=True)
+def test_optional_arrays_built_when_used_or_asked_for():
+    tok = _Tok()
+    off = requests.sampling_arrays(tok, [SamplingParams()], 2, 4)
+    assert off.min_p is None and off.repetition_penalty is None and off.prompt_mask is None
+    with pytest.raises(ValueError, match="pass prompts and vocab_size"):
+        requests.sampling_arrays(tok, [SamplingParams(repetition_penalty=1.2)], 1, 4)
+    pen = requests.sampling_arrays(tok, [SamplingParams(repetition_penalty=1.2), SamplingParams()], 3, 4,
+                                   [[1, 2, 2], [7]], 10)
+    np.testing.assert_allclose(np.asarray(pen.repetition_penalty), [1.2, 1.0, 1.0])
+    mask = np.asarray(pen.prompt_mask)
+    assert mask.shape == (3, 10) and set(np.flatnonzero(mask[0])) == {1, 2} and set(np.flatnonzero(mask[1])) == {7}
+    assert set(np.flatnonzero(mask[2])) == {7}  # padding rows repeat the last request
+    every = requests.sampling_arrays(tok, [SamplingParams()], 1, 4, [[1]], 10, all_options=True)
+    assert every.min_p is not None and every.min_tokens is not None and every.repetition_penalty is not None
+    assert requests.uses_options([SamplingParams(), SamplingParams(presence_penalty=0.5)])
+    assert not requests.uses_options([SamplingParams(temperature=0.5, top_k=3)])
 
 
 # ------------------------------------------------------------------------------------------------ distributions
@@ -434,3 +438,84 @@ def test_token_logprobs_match_numpy():
         np.testing.assert_array_equal(ids[b], np.argsort(-ref, -1, kind="stable")[:, :3])
         finite = np.isfinite(chosen[b])
         np.testing.assert_array_equal(rank[b][finite], 1 + (ref > chosen[b][:, None]).sum(-1)[finite])
+
+
+# ------------------------------------------------------------------------------------------------ penalties
+
+
+def _penalties_np(logits, counts, prompt_mask, presence, frequency, repetition):
+    """vLLM's order: repetition over prompt or output tokens, then frequency and presence over the output."""
+    x = np.asarray(logits, np.float64).copy()
+    seen = (counts > 0) | prompt_mask
+    x = np.where(seen, np.where(x > 0, x / repetition, x * repetition), x)
+    return x - frequency * counts - presence * (counts > 0)
+
+
+def test_penalties_match_numpy_reference_and_neutral_rows_are_bit_identical():
+    rng = np.random.default_rng(6)
+    B, V = 4, 30
+    logits = rng.normal(0, 2.0, (B, V)).astype(np.float32)
+    out = rng.integers(0, V, (B, 6)).astype(np.int32)
+    num_new = np.asarray([6, 3, 0, 6], np.int32)
+    prompt_mask = rng.random((B, V)) < 0.2
+    pres = np.asarray([0.5, 0.0, 1.0, 0.0], np.float32)
+    freq = np.asarray([0.3, 0.0, 0.0, 0.0], np.float32)
+    rep = np.asarray([1.3, 2.0, 1.5, 1.0], np.float32)
+    s = _arrays(B, presence_penalty=jnp.asarray(pres), frequency_penalty=jnp.asarray(freq),
+                repetition_penalty=jnp.asarray(rep), prompt_mask=jnp.asarray(prompt_mask))
+    counts = np.asarray(_sampling.output_counts(jnp.asarray(out), jnp.asarray(num_new), V))
+    ref_counts = np.stack([np.bincount(out[b, :num_new[b]], minlength=V) for b in range(B)])
+    np.testing.assert_array_equal(counts, ref_counts)
+    got = np.asarray(_sampling.penalize(jnp.asarray(logits), s, jnp.asarray(counts)))
+    want = _penalties_np(logits, ref_counts, prompt_mask, pres[:, None], freq[:, None], rep[:, None])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(got[:3], logits[:3])  # the penalties did change something: the test can fail
+    np.testing.assert_array_equal(got[3], logits[3])  # neutral values: bit-identical
+    # Greedy follows the penalized logits, sampling their softmax.
+    g = _arrays(B, temperature=_row(B, 0.0, jnp.float32), presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+                prompt_mask=s.prompt_mask)
+    np.testing.assert_array_equal(np.asarray(_sampling.greedy_tokens(jnp.asarray(logits), g, None, jnp.asarray(counts))),
+                                  np.argmax(want, -1))
+    p = np.asarray(processed(jnp.asarray(logits), s, None, jnp.asarray(counts)))
+    e = np.exp(want - want.max(-1, keepdims=True))
+    np.testing.assert_allclose(p, e / e.sum(-1, keepdims=True), atol=1e-6)
+    with pytest.raises(ValueError, match="pass counts"):
+        _sampling.processed(jnp.asarray(logits), s)
+
+
+def test_path_counts_add_each_nodes_drafted_path():
+    rng = np.random.default_rng(7)
+    B, N, V = 2, 6, 9
+    parents = np.asarray([[-1, 0, 0, 1, 3, 2], [-1, 0, 1, 2, 3, 4]], np.int32)
+    tokens = rng.integers(0, V, (B, N)).astype(np.int32)
+    base = rng.integers(0, 3, (B, V)).astype(np.int32)
+    from specjax.tree import ancestor_mask_from_parents
+
+    mask = np.asarray(ancestor_mask_from_parents(jnp.asarray(parents), 5)) & (np.arange(N) > 0)[None, None, :]
+    got = np.asarray(_sampling.path_counts(jnp.asarray(base), jnp.asarray(tokens), jnp.asarray(mask)))
+    for b in range(B):
+        for n in range(N):
+            want = base[b].copy()
+            m = n
+            while m > 0:  # the node itself and its drafted ancestors, the root excluded
+                want[tokens[b, m]] += 1
+                m = parents[b, m]
+            np.testing.assert_array_equal(got[b, n], want, err_msg=f"row {b} node {n}")
+
+
+def test_token_logprobs_apply_penalties_over_the_tokens_before_each_position():
+    rng = np.random.default_rng(8)
+    T, V = 5, 12
+    logits = rng.normal(0, 2.0, (1, T, V)).astype(np.float32)
+    tokens = np.asarray([[3, 3, 4, 3, 1]], np.int32)
+    prompt_mask = np.zeros((1, V), bool)
+    prompt_mask[0, 1] = True
+    s = _arrays(1, presence_penalty=_row(1, 0.4, jnp.float32), frequency_penalty=_row(1, 0.7, jnp.float32),
+                repetition_penalty=_row(1, 1.5, jnp.float32), prompt_mask=jnp.asarray(prompt_mask))
+    chosen = np.asarray(token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), s, 2)[0])
+    for j in range(T):
+        counts = np.bincount(tokens[0, :j], minlength=V)
+        x = _penalties_np(logits[0, j], counts, prompt_mask[0], 0.4, 0.7, 1.5)
+        ref = x - x.max() - np.log(np.exp(x - x.max()).sum())
+        np.testing.assert_allclose(chosen[0, j], ref[tokens[0, j]], rtol=1e-5, atol=1e-5)

@@ -102,7 +102,9 @@ class SamplingParams:
     min_tokens: the stop ids and stop strings cannot end generation before this many tokens.
     logprobs: None = none; k = the log-probability of each emitted token plus the k most likely ones, under
         the processed distribution (`specjax.sampling.process_logits`) sampling drew from.
-    presence_penalty / frequency_penalty / repetition_penalty: vLLM's penalties; 0, 0 and 1 = off.
+    presence_penalty / frequency_penalty / repetition_penalty: vLLM's penalties; 0, 0 and 1 = off. Repetition
+        divides positive and multiplies negative logits of tokens in the prompt or the output; frequency
+        subtracts per occurrence in the output, presence once per token present (`specjax.sampling.penalize`).
     """
 
     max_new_tokens: int = 128

@@ -140,7 +140,7 @@ def _start(llm, ids, params, variant):
     b = variant.buckets(n, max(map(len, ids)), max(p.max_new_tokens for p in params),
                         num_stop(llm.tokenizer, params))
     tokens, lens, active = pad_prompts(ids, b.batch, b.prompt_len)
-    sampling = sampling_arrays(llm.tokenizer, params, b.batch, b.num_stop)
+    sampling = sampling_arrays(llm.tokenizer, params, b.batch, b.num_stop, ids, llm.config.vocab_size)
     t0 = time.perf_counter()
     state = variant.prefill(b, tokens, lens, active, sampling)
     jax.block_until_ready(variant.dec(state).last_token)

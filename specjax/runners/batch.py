@@ -35,7 +35,8 @@ import time
 import numpy as np
 
 from specjax.config import SamplingParams, SpeculativeConfig
-from specjax.requests import check_request, encode_prompt, finish_name, num_stop, pad_prompts, sampling_arrays
+from specjax.requests import (check_request, encode_prompt, finish_name, num_stop, pad_prompts, sampling_arrays,
+                              uses_options)
 from specjax.runners.batch_io import (BatchError, JobSummary, Request, ResultFile, check_input,  # noqa: F401
                                       check_paths, open_output, read_requests)
 
@@ -204,7 +205,11 @@ def _decode(llm, progs: SlotPrograms, todo, B: int, out: ResultFile, summary: Jo
     started = [0.0] * B
     filler = todo[0].sampling  # sampling values of free slots (never used: free slots are finished)
     slot_sampling = [filler] * B
-    sampling = sampling_arrays(llm.tokenizer, slot_sampling, B, n_stop)
+    slot_prompts = [todo[0].token_ids] * B
+    V = llm.config.vocab_size
+    # Every slot's arrays carry the optional filters if any request left uses them: rows change, programs don't.
+    opts = uses_options([r.sampling for r in todo])
+    sampling = sampling_arrays(llm.tokenizer, slot_sampling, B, n_stop, slot_prompts, V, opts)
     state = progs.empty(sampling)
     bar = _progress_bar(len(todo), err) if progress else None
     dec = progs.variant.dec
@@ -232,10 +237,12 @@ def _decode(llm, progs: SlotPrograms, todo, B: int, out: ResultFile, summary: Jo
                 for s in free[:len(todo)]:
                     r = todo.popleft()
                     tokens, lens, active = pad_prompts([r.token_ids], 1, P)
-                    row = progs.prefill(tokens, lens, active, sampling_arrays(llm.tokenizer, [r.sampling], 1, n_stop))
+                    row = progs.prefill(tokens, lens, active, sampling_arrays(llm.tokenizer, [r.sampling], 1, n_stop,
+                                                                              [r.token_ids], V, opts))
                     state = progs.insert(state, row, s)
-                    slots[s], started[s], slot_sampling[s] = r, time.perf_counter(), r.sampling
-                sampling = sampling_arrays(llm.tokenizer, slot_sampling, B, n_stop)
+                    slots[s], started[s], slot_sampling[s], slot_prompts[s] = r, time.perf_counter(), r.sampling, \
+                        r.token_ids
+                sampling = sampling_arrays(llm.tokenizer, slot_sampling, B, n_stop, slot_prompts, V, opts)
                 continue  # a request can finish at prefill (one token, or a stop token first): collect it
             if all(r is None for r in slots):
                 return

@@ -176,6 +176,12 @@ class NeuronRunner:
 
     def prefill(self, bucket: Buckets, prompts, prompt_lens, active, sampling: SamplingArrays):
         """Run the compiled prefill: prompts [B, P] int32, prompt_lens [B] int32, active [B] bool."""
+        if any(a is not None and s is None for a, s in zip(sampling, _sampling_spec(bucket))):
+            # The ahead-of-time programs take the six basic arrays only.
+            from specjax.requests import RequestError
+
+            raise RequestError("min_p, min_tokens and the presence / frequency / repetition penalties are not "
+                               "supported on the 'neuron' backend yet; leave them off or use backend 'auto'")
         c = self._entry(bucket)
         if self.drafter is None:
             return c.prefill(self.params, prompts, prompt_lens, active, sampling)

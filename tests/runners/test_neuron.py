@@ -456,3 +456,13 @@ def test_smollm2_checker_every_batch_bucket(smol):
     table = neuron.bucket_table(neuron.NEURON_BATCHES, (64,), (64,), tree_nodes=runner.tree_nodes)
     for key, rep in neuron.check_entry_points(runner, table.buckets).items():
         assert rep.ok, rep.summary()
+
+
+def test_sampling_options_the_aot_programs_lack_are_refused(tiny_llm):
+    """The Neuron programs are compiled for the six basic sampling arrays: min_p / min_tokens / penalties get a
+    clear error, not a pytree mismatch from inside the compiled call."""
+    from specjax.requests import RequestError
+
+    llm, _ = tiny_llm
+    with pytest.raises(RequestError, match="not supported on the 'neuron' backend"):
+        neuron_runner.generate_neuron(llm, PROMPTS[:1], SamplingParams(max_new_tokens=4, repetition_penalty=1.2))
