@@ -24,6 +24,19 @@ from specjax.sampling import (SamplingArrays, greedy_tokens, has_penalties, outp
                               uniforms)
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+# The target produced NaN or infinite logits for the row (a corrupt checkpoint, an overflow): the row stops
+# without sampling from them, and the host reports it.
+FINISH_ERROR = 3
+
+
+def nonfinite_rows(logits: jax.Array) -> jax.Array:
+    """[B] bool: rows of logits [B, ..., V] holding a NaN or an infinity anywhere."""
+    return ~jnp.all(jnp.isfinite(logits), axis=tuple(range(1, logits.ndim)))
+
+
+def fail_rows(state: DecodeState, bad: jax.Array) -> DecodeState:
+    """The state with running rows where bad [B] finished as FINISH_ERROR."""
+    return state._replace(finish=jnp.where(bad & (state.finish == FINISH_RUNNING), FINISH_ERROR, state.finish))
 
 
 class DecodeState(NamedTuple):
@@ -114,7 +127,8 @@ def first_token_state(cache: KVCache, last_logits: jax.Array, active: jax.Array,
         finish=jnp.where(active, FINISH_RUNNING, FINISH_LENGTH).astype(jnp.int32),
         step=step0 + 1,
     )
-    return emit(state, first[:, None], jnp.ones((B,), jnp.int32), sampling)
+    bad = nonfinite_rows(last_logits)
+    return fail_rows(emit(state, first[:, None], jnp.where(bad, 0, 1).astype(jnp.int32), sampling), bad)
 
 
 def prefill_after_prefix(params: dict, config: LlamaConfig, prefix: KVCache, suffix: jax.Array,
@@ -248,7 +262,9 @@ def decode_step_deferred(params: dict, config: LlamaConfig, state: DecodeState, 
     cache = out.cache._replace(lengths=cache.lengths + running.astype(jnp.int32))
     state = state._replace(cache=cache, step=state.step + running.astype(jnp.int32))
     feats = target_features(out, features) if features else None
-    return emit(state, tok[:, None], jnp.ones_like(tok), sampling), feats, out.new_kv
+    bad = nonfinite_rows(logits)
+    state = fail_rows(emit(state, tok[:, None], jnp.where(bad, 0, 1).astype(jnp.int32), sampling), bad)
+    return state, feats, out.new_kv
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention_fn"), donate_argnames=("state",))

@@ -14,3 +14,9 @@ class SpecjaxError(Exception):
 class TokenizerError(SpecjaxError, ValueError):
     """A tokenizer could not be built or used (its files are malformed, or a chat template failed or ran past its
     limits); the message names the problem and the fix. Re-exported by `specjax.models.tokenizer`."""
+
+
+class NonFiniteLogitsWarning(UserWarning):
+    """The target produced NaN or infinite logits for a request (a corrupt checkpoint, or an overflow in a low
+    precision dtype): that request stopped with finish_reason "error" without sampling from them; the other
+    requests of the batch are unaffected."""

@@ -10,6 +10,7 @@ Pure functions of what they need (tokenizer, vocabulary size, context length); n
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 from typing import Any, Mapping, Sequence
 
@@ -17,11 +18,11 @@ import jax
 import numpy as np
 
 from specjax.config import SamplingParams
-from specjax.engine import FINISH_LENGTH, FINISH_STOP
+from specjax.engine import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingArrays
 
-FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ERROR: "error"}
 
 PromptLike = str | Sequence[int] | Sequence[Mapping[str, str]] | Mapping[str, Any]
 
@@ -71,7 +72,8 @@ class CompletionOutput:
     and including the one that completed the first stop string); text: their text, cut before the stop string.
     cumulative_logprob / logprobs: only when the request asked for logprobs (None otherwise); logprobs holds one
     {token id: Logprob} per emitted token: the emitted token and the k most likely ones. finish_reason: "stop"
-    (end token, stop id or stop string) or "length"; stop_reason: the stop string or stop token id that ended
+    (end token, stop id or stop string), "length", or "error" (the model produced NaN or infinite logits: the
+    sample stopped without sampling from them, with a `NonFiniteLogitsWarning`); stop_reason: the stop string or stop token id that ended
     it (None for the tokenizer's end token or a length finish). seed: the seed the sample was drawn with (a
     fresh one when the request's seed was None): passing it back reproduces the sample. metrics: this sample's.
     """
@@ -123,6 +125,7 @@ def normalise(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
     """(prompts as a list, one SamplingParams per prompt) from what `LLM.generate` accepts."""
     if is_prompt_dict(prompts):
         prompts = [prompts]
+    _refuse_bytes(prompts)
     if not isinstance(prompts, (str, Sequence)):
         raise RequestError(f"prompts must be a string, a list of token ids, chat messages, or a list of those; "
                            f"got {type(prompts).__name__}")
@@ -133,6 +136,27 @@ def normalise(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
     if not prompts:
         raise RequestError("no prompts given")
     return prompts, per_prompt_params(sampling_params, len(prompts))
+
+
+def _refuse_bytes(prompt) -> None:
+    # bytes are a Sequence of ints: without this check b"Hello" would be read as the token ids 72, 101, ...
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise RequestError("a prompt is bytes; decode it to text first (e.g. data.decode('utf-8')), or pass token "
+                           "ids as a list of ints")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, where: str) -> str:
+    """Raise RequestError for text that is not valid Unicode (a lone surrogate, which UTF-8 cannot encode and
+    the tokenizer would reject with an internal message); return the text."""
+    bad = _SURROGATE.search(text)
+    if bad:
+        raise RequestError(f"{where} contains a lone surrogate (U+{ord(bad.group()):04X}) at character "
+                           f"{bad.start()}, which is not valid Unicode; fix the text's encoding (e.g. decode with "
+                           "errors='replace')")
+    return text
 
 
 def is_prompt_dict(x) -> bool:
@@ -160,12 +184,17 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: PromptLike, chat: bool | N
     kwargs = dict(chat_template_kwargs or {})
 
     def render(messages) -> list[int]:
+        for m in messages:
+            if isinstance(m.get("content"), str):
+                check_text(m["content"], f"the {m.get('role', 'message')!s:.20} message")
         return tokenizer.encode(tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=add_generation_prompt, **kwargs))
 
     if is_prompt_dict(prompt):
         prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+    _refuse_bytes(prompt)
     if isinstance(prompt, str):
+        check_text(prompt, "the prompt")
         return render([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
         return render(prompt)
@@ -331,8 +360,20 @@ def pad_prompts(ids: list[list[int]], batch: int, length: int):
 # ------------------------------------------------------------------------------------------------ output
 
 
+def warn_nonfinite(emitted: int) -> None:
+    """Report a row that stopped on non-finite target logits (engine.FINISH_ERROR)."""
+    import warnings
+
+    from specjax.errors import NonFiniteLogitsWarning
+
+    warnings.warn(NonFiniteLogitsWarning(
+        f"the model produced NaN or infinite logits after {emitted} generated tokens; this request stopped there "
+        "(finish_reason 'error') without sampling from them. The checkpoint may be corrupt, or the dtype may "
+        "overflow: try dtype='float32'"), stacklevel=3)
+
+
 def finish_name(finish) -> str:
-    """"stop" or "length" for an engine FINISH_* code."""
+    """"stop", "length" or "error" (non-finite logits) for an engine FINISH_* code."""
     return FINISH_NAMES.get(int(finish), "length")
 
 
@@ -347,6 +388,8 @@ def build_output(tokenizer, prompt, prompt_ids, new_ids, finish, ttft: float, to
         tokens_per_s=len(new_ids) / total if total > 0 else float("nan"), **spec)
     comp = CompletionOutput(0, tokenizer.decode(new_ids), new_ids, None, None, finish_name(finish), None,
                             None if sampling is None else sampling.seed, metrics)
+    if int(finish) == FINISH_ERROR:
+        warn_nonfinite(len(new_ids))
     if sampling is not None:
         comp = finish_completion(tokenizer, comp, sampling)
     return RequestOutput(prompt, list(prompt_ids), [comp], comp.metrics)

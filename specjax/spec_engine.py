@@ -24,8 +24,8 @@ import numpy as np
 from specjax import acceptance
 from specjax.backoff import Adaptive, backoff_decide, backoff_update  # noqa: F401  (spec_engine.Adaptive stays)
 from specjax.drafters.base import DraftContext, Proposal
-from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step_deferred, emit, feature_layers,
-                            prefill_core, target_features, until_free)
+from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step_deferred, emit, fail_rows,
+                            feature_layers, prefill_core, target_features, until_free)
 from specjax.kv_cache import gather_path, write_path
 from specjax.models.llama import LlamaConfig, forward
 from specjax.sampling import (SamplingArrays, greedy_tokens, has_penalties, output_counts, path_counts, processed,
@@ -170,7 +170,15 @@ def _verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spe
     running = dec.finish == FINISH_RUNNING
     path = acceptance.accepted_path(result.accepted, depth, D)  # [B, D]
     src = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), path], axis=1)
-    n_acc = result.num_accepted
+    # Non-finite target logits: every emitted token was decided by the logits of a node on the accepted path
+    # (the root, the accepted nodes), so a row keeps the drafted tokens decided before the first such node on
+    # its path and stops there (FINISH_ERROR), as plain decoding stops at the step whose logits are not finite.
+    # Nodes off the path (rejected drafts) do not count.
+    on_path = jnp.arange(D + 1)[None, :] <= result.num_accepted[:, None]  # [B, D + 1]
+    finite = jnp.all(jnp.isfinite(jnp.take_along_axis(out.logits, src[:, :, None], axis=1)), axis=-1)
+    first_bad = jnp.min(jnp.where(on_path & ~finite, jnp.arange(D + 1)[None, :], D + 1), axis=1)  # [B]
+    bad = first_bad <= result.num_accepted
+    n_acc = jnp.where(bad, first_bad, result.num_accepted)
     keep = jnp.where(running, 1 + n_acc, 0)
     base = cache.lengths
     pending = (gather_path(out.new_kv, src), base)
@@ -182,7 +190,7 @@ def _verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spe
                            jnp.where(j == n_acc[:, None], result.next_token[:, None], 0))
     old_new = dec.num_new
     dec = dec._replace(cache=cache, step=dec.step + running.astype(jnp.int32))
-    dec = emit(dec, run_tokens, n_acc + 1, sampling)
+    dec = fail_rows(emit(dec, run_tokens, jnp.where(bad, n_acc, n_acc + 1), sampling), bad)
     history = _write_history(state.history, state.prompt_lens, old_new, dec)
     st = state.stats
     # The state's per-depth counters span the drafter's full depth; a trimmed verify (`trim_proposal`) has a

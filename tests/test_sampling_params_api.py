@@ -218,6 +218,22 @@ class _TextTok:
         return [ord(c) for c in text]
 
 
+def test_bytes_and_invalid_unicode_are_refused_before_tokenizing():
+    tok = _TextTok()
+    for bad in (b"Hello", bytearray(b"Hi")):
+        with pytest.raises(requests.RequestError, match="a prompt is bytes; decode it"):
+            requests.normalise(bad, None)
+        with pytest.raises(requests.RequestError, match="a prompt is bytes"):
+            requests.encode_prompt(tok, 300, bad, None)
+    with pytest.raises(requests.RequestError, match=r"lone surrogate \(U\+D800\) at character 3"):
+        requests.encode_prompt(tok, 70000, "Hi \ud800!", None)
+    with pytest.raises(requests.RequestError, match="the user message contains a lone surrogate"):
+        requests.encode_prompt(tok, 70000, [{"role": "user", "content": "x\udfff"}], None)
+    # Valid if unusual text passes untouched: combining marks, right-to-left, ZWJ sequences, NUL.
+    for text in ("e\u0301\u0301", "\u05e9\u05dc\u202e", "\U0001F468\u200d\U0001F469", "a\x00b"):
+        assert requests.encode_prompt(tok, 200000, text, None) == [ord(c) for c in text]
+
+
 def test_vllm_prompt_dicts():
     tok = _TextTok()
     assert requests.encode_prompt(tok, 300, {"prompt_token_ids": [3, 4]}, None) == [3, 4]

@@ -271,8 +271,12 @@ def _record(llm, req: Request, s: int, host, finish, seconds: float, spec, summa
         summary.accepted += m["accepted"]
         summary.verify_steps += m["verify_steps"]
         summary.plain_steps += int(stats.plain_steps[s])
-    return {"id": req.id, "text": llm.tokenizer.decode(ids), "token_ids": ids,
-            "finish_reason": finish_name(finish), "metrics": metrics}
+    record = {"id": req.id, "text": llm.tokenizer.decode(ids), "token_ids": ids,
+              "finish_reason": finish_name(finish), "metrics": metrics}
+    if finish_name(finish) == "error":
+        record["error"] = ("the model produced NaN or infinite logits; this request stopped without sampling from "
+                           "them (a corrupt checkpoint, or a dtype that overflows)")
+    return record
 
 
 def _progress_bar(total: int, err):
