@@ -199,6 +199,10 @@ SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
                                      doc="vLLM's name for max_new_tokens (the same value).")
 
 
+MAX_DRAFT_TOKENS = 64  # num_speculative_tokens, tree depth and top_k at most
+MAX_TREE_NODES = 256  # total_tokens and suffix_max_depth at most
+
+
 @_suggest_unknown_keys
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -247,6 +251,14 @@ class SpeculativeConfig:
         if self.num_speculative_tokens < 1:
             raise _invalid("num_speculative_tokens", self.num_speculative_tokens,
                            "must be >= 1 (tokens drafted per step); use method: null to switch speculation off")
+        # Upper bounds: acceptance decays geometrically with depth, so drafts this long never pay, while their
+        # programs take minutes to compile and gigabytes to run.
+        for name, most in (("num_speculative_tokens", MAX_DRAFT_TOKENS), ("suffix_max_depth", MAX_TREE_NODES),
+                           ("depth", MAX_DRAFT_TOKENS), ("top_k", MAX_DRAFT_TOKENS),
+                           ("total_tokens", MAX_TREE_NODES)):
+            if getattr(self, name) > most:
+                raise _invalid(name, getattr(self, name), f"must be <= {most}: drafts this large never pay back "
+                                                          "their verify cost (typical values are 2-8, trees 8-64)")
         if self.method == "draft_model" and not self.model:
             raise _invalid("model", self.model,
                            "method 'draft_model' needs a draft model; set model to a model name or local path")

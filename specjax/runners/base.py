@@ -139,12 +139,23 @@ def _start(llm, ids, params, variant):
     n = len(ids)
     b = variant.buckets(n, max(map(len, ids)), max(p.max_new_tokens for p in params),
                         num_stop(llm.tokenizer, params))
+    check_memory(llm, b, variant)
     tokens, lens, active = pad_prompts(ids, b.batch, b.prompt_len)
     sampling = sampling_arrays(llm.tokenizer, params, b.batch, b.num_stop, ids, llm.config.vocab_size)
     t0 = time.perf_counter()
     state = variant.prefill(b, tokens, lens, active, sampling)
     jax.block_until_ready(variant.dec(state).last_token)
     return b, sampling, state, t0, time.perf_counter() - t0
+
+
+def check_memory(llm, b, variant, what: str = "this generation") -> None:
+    """`memory.preflight` for a variant's buckets: the target's cache, a draft model's, a verify pass's buffers."""
+    from specjax.memory import preflight
+
+    drafter = getattr(variant, "drafter", None)
+    draft_config = getattr(drafter, "config", None) if type(drafter).__name__ == "DraftModelDrafter" else None
+    itemsize = np.dtype(jnp.dtype(getattr(llm, "dtype", None) or "float32")).itemsize
+    preflight(llm.config, b, itemsize, max(1, variant.extra_slots), draft_config, what=what)
 
 
 def _outputs(llm, prompts, ids, variant, state, t0: float, ttft: float) -> list[RequestOutput]:

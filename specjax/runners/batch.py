@@ -185,6 +185,9 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
         # B from every valid request too (not only those left), for the same reason.
         B = min(batch_size, len(valid))
         progs = programs(llm, buckets, B, drafter, dparams, adaptive)
+        from specjax.runners.base import check_memory
+
+        check_memory(llm, progs.bB, progs.variant, "this batch job")
         _decode(llm, progs, todo, progs.bB.batch, out, summary, spec, max_steps, progress, err)
     finally:
         out.close()
