@@ -184,11 +184,9 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: PromptLike, chat: bool | N
     kwargs = dict(chat_template_kwargs or {})
 
     def render(messages) -> list[int]:
-        for m in messages:
-            if isinstance(m.get("content"), str):
-                check_text(m["content"], f"the {m.get('role', 'message')!s:.20} message")
+        checked = chat_messages(messages)
         return tokenizer.encode(tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, **kwargs))
+            checked, add_generation_prompt=add_generation_prompt, **kwargs))
 
     if is_prompt_dict(prompt):
         prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
@@ -208,6 +206,32 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: PromptLike, chat: bool | N
         "a prompt must be a non-empty string, a list of token ids, or a list of chat messages "
         f"({{'role': ..., 'content': ...}}); got {type(prompt).__name__} {str(prompt)[:40]!r}"
     )
+
+
+def chat_messages(messages) -> list[dict[str, Any]]:
+    """Chat messages checked and normalised for a template: each needs a string 'role' and a 'content' that is
+    text or a list of OpenAI-style text parts ({"type": "text", "text": ...}, joined with newlines); text must be
+    valid Unicode. Raises RequestError naming the message and the problem."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"message {i}"
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise RequestError(f"{where} needs a 'role' string such as 'user', 'assistant' or 'system'")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                    raise RequestError(f"{where} content part {j} is {kind!r}; only text parts "
+                                       "({'type': 'text', 'text': ...}) are supported")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if not isinstance(content, str):
+            raise RequestError(f"{where} ({role}) has content of type {type(content).__name__}; it must be text "
+                               "or a list of text parts")
+        out.append({**m, "role": role, "content": check_text(content, f"{where} ({role:.20})")})
+    return out
 
 
 def conversations(messages) -> list[list[Mapping[str, Any]]]:

@@ -227,11 +227,23 @@ def test_bytes_and_invalid_unicode_are_refused_before_tokenizing():
             requests.encode_prompt(tok, 300, bad, None)
     with pytest.raises(requests.RequestError, match=r"lone surrogate \(U\+D800\) at character 3"):
         requests.encode_prompt(tok, 70000, "Hi \ud800!", None)
-    with pytest.raises(requests.RequestError, match="the user message contains a lone surrogate"):
+    with pytest.raises(requests.RequestError, match=r"message 0 \(user\) contains a lone surrogate"):
         requests.encode_prompt(tok, 70000, [{"role": "user", "content": "x\udfff"}], None)
     # Valid if unusual text passes untouched: combining marks, right-to-left, ZWJ sequences, NUL.
     for text in ("e\u0301\u0301", "\u05e9\u05dc\u202e", "\U0001F468\u200d\U0001F469", "a\x00b"):
         assert requests.encode_prompt(tok, 200000, text, None) == [ord(c) for c in text]
+
+
+def test_chat_messages_checked_and_text_parts_joined():
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert requests.chat_messages(parts) == [{"role": "user", "content": "a\nb"}]
+    for bad, pattern in [([{"role": "user", "content": None}], "content of type NoneType"),
+                         ([{"role": "user", "content": 5}], "content of type int"),
+                         ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+                          "part 0 is 'image_url'; only text parts"),
+                         ([{"content": "hi"}], "needs a 'role' string")]:
+        with pytest.raises(requests.RequestError, match=pattern):
+            requests.chat_messages(bad)
 
 
 def test_vllm_prompt_dicts():

@@ -83,6 +83,10 @@ class ModelConfig:
                            "must be >= 1; use null for the model's own context length")
 
 
+MAX_INT32 = 2 ** 31 - 1  # token ids, top_k and budgets travel as int32 arrays
+MAX_N = 1024  # samples per prompt at most
+
+
 @_suggest_unknown_keys
 @dataclass(frozen=True)
 class SamplingParams:
@@ -142,11 +146,16 @@ class SamplingParams:
             object.__setattr__(self, "max_new_tokens", max_tokens)
         if self.max_new_tokens < 1:
             raise _invalid("max_new_tokens", self.max_new_tokens, "must be >= 1; ask for at least one token")
+        if self.max_new_tokens > MAX_INT32:
+            raise _invalid("max_new_tokens", self.max_new_tokens, "must be < 2**31 (and fit the model's context)")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise _invalid("temperature", self.temperature,
                            "must be a finite number >= 0; use 0 for greedy decoding or e.g. 0.7 to sample")
         if self.top_k < 0:
             raise _invalid("top_k", self.top_k, "must be >= 0; use 0 to switch top-k filtering off")
+        if self.top_k > MAX_INT32:
+            raise _invalid("top_k", self.top_k, "must be < 2**31; any value past the vocabulary size keeps every "
+                                                "token, and 0 switches top-k off")
         if not (0 < self.top_p <= 1):
             raise _invalid("top_p", self.top_p, "must be in (0, 1]; use 1.0 to switch nucleus sampling off")
         if not (0 <= self.min_p <= 1):
@@ -157,10 +166,10 @@ class SamplingParams:
             if not text:
                 raise _invalid(f"stop[{i}]", text, "stop strings must be non-empty; remove the empty one")
         for i, tok in enumerate(self.stop_token_ids):
-            if tok < 0:
-                raise _invalid(f"stop_token_ids[{i}]", tok, "token ids must be >= 0")
-        if self.n < 1:
-            raise _invalid("n", self.n, "must be >= 1 (samples per prompt)")
+            if tok < 0 or tok > MAX_INT32:
+                raise _invalid(f"stop_token_ids[{i}]", tok, "token ids must be in [0, 2**31)")
+        if self.n < 1 or self.n > MAX_N:
+            raise _invalid("n", self.n, f"must be in [1, {MAX_N}] (samples per prompt)")
         if self.min_tokens < 0:
             raise _invalid("min_tokens", self.min_tokens, "must be >= 0; use 0 to let generation stop at once")
         if self.min_tokens > self.max_new_tokens:

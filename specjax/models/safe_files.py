@@ -85,6 +85,17 @@ def _no_duplicates(where: str, error: type):
     return hook
 
 
+def loads_untrusted(text: str, where: str, error: type) -> Any:
+    """json.loads for text that may be hostile: invalid JSON, nesting deep enough to exhaust the recursion limit,
+    duplicate keys and integers longer than MAX_INT_DIGITS raise `error` naming `where`."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates(where, error), parse_int=_int_parser(where, error))
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise error(f"{where}: JSON nested too deeply to read; the input is corrupt or hostile") from None
+
+
 def read_json_file(path: str, error: type, *, max_bytes: int = MAX_JSON_BYTES, want_object: bool = True) -> Any:
     """Parse a JSON file that may be hostile. Non-UTF-8 bytes, invalid JSON, nesting deep enough to exhaust the
     recursion limit, duplicate keys, a file over `max_bytes` and (with `want_object`) a top level that is not an
@@ -103,12 +114,7 @@ def read_json_file(path: str, error: type, *, max_bytes: int = MAX_JSON_BYTES, w
     except UnicodeDecodeError as e:
         raise error(f"{path}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); the file is corrupt") \
             from None
-    try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates(path, error), parse_int=_int_parser(path, error))
-    except json.JSONDecodeError as e:
-        raise error(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except RecursionError:
-        raise error(f"{path}: JSON nested too deeply to read; the file is corrupt or hostile") from None
+    data = loads_untrusted(text, path, error)
     if want_object and not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
     return data

@@ -157,12 +157,14 @@ def read_requests(path: str, defaults: SamplingParams, report: Callable[[int, st
 
 def _parse_line(raw: bytes, n: int, defaults: SamplingParams, seen: dict[str, int]):
     """(problem, None) or (None, Request) for one non-blank input line."""
+    from specjax.models.safe_files import loads_untrusted
+
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = loads_untrusted(raw.decode("utf-8"), "line", _LineError)
     except UnicodeDecodeError:
         return "not UTF-8 text; skipped", None
-    except json.JSONDecodeError as e:
-        return f"malformed JSON ({e.msg} at column {e.colno}); skipped", None
+    except _LineError as e:
+        return f"{str(e).removeprefix('line: ')}; skipped", None
     if not isinstance(obj, dict):
         return f"expected a JSON object, got a {type(obj).__name__}; skipped", None
     if "id" not in obj:
@@ -195,6 +197,10 @@ def _parse_line(raw: bytes, n: int, defaults: SamplingParams, seen: dict[str, in
     if "seed" not in user:
         sp = dataclasses.replace(sp, seed=zlib.crc32(f"{defaults.seed}:{key}".encode()) & 0x7FFFFFFF)
     return None, Request(rid, key, n, prompt, has_messages, sp)
+
+
+class _LineError(ValueError):
+    """An input line that cannot be read as JSON (`_parse_line` turns it into a skip)."""
 
 
 def _is_token_list(x) -> bool:

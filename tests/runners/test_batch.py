@@ -257,14 +257,23 @@ def test_bad_lines_are_reported_and_skipped(llm, tmp_path):
         json.dumps([1, 2]),                                                   # 13 not an object
         json.dumps(good[3]),                                                  # 14 ok
         json.dumps({"id": "x6", "prompt": "ab", "messages": [{"role": "u", "content": "c"}]}),  # 15 both
+        # Poison lines that once crashed the whole job, again on every rerun:
+        "[" * 100000 + "]" * 100000,                                          # 16 nesting past the recursion limit
+        '{"id": ' + "9" * 5000 + ', "prompt": "ab"}',                         # 17 a 5000-digit id
+        json.dumps({"id": "x7", "prompt": "ab", "sampling": {"top_k": 2 ** 31}}),  # 18 past int32
+        '{"id": "x8", "prompt": "a \\ud800 b"}',                            # 19 a lone surrogate
+        json.dumps({"id": "x9", "messages": [{"role": "user", "content": None}]}),  # 20 content None
+        json.dumps({"id": "x10", "prompt": "ab", "sampling": {"stop_token_ids": [2 ** 40]}}),  # 21 past int32
     ]
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(lines) + "\n")
     digest = hashlib.sha256(inp.read_bytes()).hexdigest()
     summary, err = job(llm, inp, tmp_path / "out.jsonl")
-    expect = {2: "malformed JSON", 3: "missing 'id'", 5: "duplicate id", 6: "needs exactly one of 'prompt'",
+    expect = {2: "invalid JSON", 3: "missing 'id'", 5: "duplicate id", 6: "needs exactly one of 'prompt'",
               7: "sampling.temperature", 8: "did you mean 'temperature'", 9: "message 0", 10: "context of 512",
-              11: "'id' must be a string or an integer", 13: "expected a JSON object", 15: "it has both"}
+              11: "'id' must be a string or an integer", 13: "expected a JSON object", 15: "it has both",
+              16: "nested too deeply", 17: "an integer of 5000 digits", 18: "sampling.top_k", 19: "lone surrogate",
+              20: "content of type NoneType", 21: "sampling.stop_token_ids[0]"}
     for n, what in expect.items():
         line = next((ln for ln in err.splitlines() if f"in.jsonl:{n}: " in ln), "")
         assert what in line, (n, err)
