@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -26,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """Run `specjax batch`. Exit status 0 when every input line was served, 1 when bad lines were skipped,
-    2 on errors that stop the job before it starts, 130 on Ctrl-C (rerun the command to resume)."""
+    2 on errors that stop the job (before it starts, or a failed write), 130 on Ctrl-C, 143 when SIGTERM
+    stopped it after the requests in flight (rerun the command to resume)."""
 
     try:
         check_paths(args.input, args.output)
@@ -48,7 +50,13 @@ def run(args) -> int:
     except KeyboardInterrupt:
         print(f"specjax batch: interrupted; finished results are in {args.output!r}, rerun the same command to "
               "resume", file=sys.stderr)
-        return 130
+        # Every finished result is on disk (fsync per line). Leave without the interpreter's teardown, which
+        # can crash while a device computation interrupted mid-flight is still being torn down.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    if summary.stopped:
+        return 143  # 128 + SIGTERM: stopped early on purpose, resumable
     return 1 if summary.skipped_lines else 0
 
 

@@ -23,7 +23,9 @@ checks for free slots after every call. The prefill and the loop are the host dr
 Crash safety: each result is one `write()` of one line, then fsync. On start the output is read back: ids
 already there are skipped, and a torn last line (no newline, or not JSON) is cut off before appending. A crash
 loses at most the requests in flight. An exclusive lock on the output stops two runs from writing to it.
-The input file is only ever read.
+The input file is only ever read. SIGTERM drains: no new request starts, the running ones are written, the job
+returns (`JobSummary.stopped`); a second SIGTERM stops at once. A write that fails (a full disk, a file-size
+limit) is cut back to the last whole line and ends the job with a BatchError; a rerun resumes.
 """
 from __future__ import annotations
 
@@ -179,7 +181,9 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
             say(summary.format())
             return summary
         # Buckets from every valid request, finished ones included: a resumed job compiles the same shapes as
-        # the first run, so its outputs are bit-identical to an uninterrupted run.
+        # the first run, so its outputs are bit-identical to an uninterrupted run (sampled speculative jobs only
+        # with adaptive: false: the back-off's measured break-even decides which steps verify, and with it
+        # which random numbers a sampled step draws).
         buckets = make_buckets(1, max(len(r.token_ids) for r in valid), max(r.sampling.max_new_tokens for r in valid),
                                extra_slots=extra, num_stop=num_stop(llm.tokenizer, [r.sampling for r in valid]))
         # B from every valid request too (not only those left), for the same reason.
@@ -188,7 +192,8 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
         from specjax.runners.base import check_memory
 
         check_memory(llm, progs.bB, progs.variant, "this batch job")
-        _decode(llm, progs, todo, progs.bB.batch, out, summary, spec, max_steps, progress, err)
+        with GracefulStop(say) as stop:
+            _decode(llm, progs, todo, progs.bB.batch, out, summary, spec, max_steps, progress, err, stop)
     finally:
         out.close()
         summary.wall_time = time.perf_counter() - t_start
@@ -196,9 +201,44 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
     return summary
 
 
+class GracefulStop:
+    """While active (a context manager, main thread only), the first SIGTERM sets `requested`: the job admits
+    nothing new and returns once the requests in flight are written. A second SIGTERM stops at once
+    (KeyboardInterrupt, as Ctrl-C)."""
+
+    def __init__(self, say=None):
+        self.requested = False
+        self.say = say
+        self._old = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        if self.say is not None:
+            self.say("SIGTERM: finishing the requests in flight, then stopping (send it again to stop now)")
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+        return False
+
+
 def _decode(llm, progs: SlotPrograms, todo, B: int, out: ResultFile, summary: JobSummary, spec, max_steps, progress,
-            err) -> None:
-    """The host loop: collect finished slots, write them, refill free slots, advance the batch."""
+            err, stop: GracefulStop | None = None) -> None:
+    """The host loop: collect finished slots, write them, refill free slots, advance the batch. With `stop`
+    requested (SIGTERM), no new request starts and the loop returns when the running ones are written."""
+    stop = stop or GracefulStop()
     import jax
 
     from specjax import engine
@@ -236,6 +276,10 @@ def _decode(llm, progs: SlotPrograms, todo, B: int, out: ResultFile, summary: Jo
                         post["acc"] = f"{summary.acceptance_rate:.2f}"
                     bar.set_postfix(post, refresh=True)
             free = [s for s in range(B) if slots[s] is None]
+            if stop.requested:
+                # SIGTERM: admit nothing new, finish what runs, then return (the rest is resumable).
+                todo.clear()
+                summary.stopped = True
             if todo and free:
                 for s in free[:len(todo)]:
                     r = todo.popleft()

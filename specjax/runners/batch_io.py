@@ -50,6 +50,7 @@ class JobSummary:
     verify_steps: int = 0
     plain_steps: int = 0
     speculative: bool = False
+    stopped: bool = False  # ended early on SIGTERM, after finishing the requests in flight
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,6 +81,8 @@ class JobSummary:
         if self.speculative:
             parts.append(f"acceptance {self.acceptance_rate:.3f}, tau {self.tau:.2f} ({self.verify_steps} verify "
                          f"steps), {self.tokens_per_forward:.2f} tokens per target forward")
+        if self.stopped:
+            parts.append("stopped on SIGTERM after the requests in flight; rerun the same command to resume")
         return "; ".join(parts)
 
 
@@ -261,12 +264,24 @@ class ResultFile:
         return done
 
     def write(self, record: dict) -> None:
-        """Append one result as one line: a single write() (looped only if the OS writes less), then fsync."""
+        """Append one result as one line: a single write() (looped only if the OS writes less), then fsync. A
+        failed write (a full disk, a file-size limit) is cut back to the last whole line and raised as a
+        BatchError: the results before it stay, and a rerun resumes."""
         data = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
         view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view):]
-        os.fsync(self.fd)
+        start = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+            os.fsync(self.fd)
+        except OSError as e:
+            try:
+                os.ftruncate(self.fd, start)
+            except OSError:
+                pass  # the torn line is cut off on the next start (`_repair`)
+            raise BatchError(f"cannot write the result of id {json.dumps(record['id'])} to {self.path!r}: "
+                             f"{e.strerror or e}; the {len(self.done)} results before it are safe, free space (or "
+                             "raise the limit) and rerun the same command to resume") from None
         self.done.add(json.dumps(record["id"]))
 
     def close(self) -> None:

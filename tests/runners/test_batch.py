@@ -455,3 +455,78 @@ def test_sigkill_at_random_points_then_resume(clean, tmp_path):
     assert set(got) == set(results)
     for k, r in results.items():
         assert got[k]["token_ids"] == r["token_ids"] and got[k]["text"] == r["text"], k
+
+
+def _child_code(fn: str, *args) -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; import test_batch; "
+            f"test_batch.{fn}({', '.join(repr(a) for a in args)})")
+
+
+def _child_fsize(inp: str, out: str, limit: int) -> None:
+    """A job under a file-size limit (RLIMIT_FSIZE: writes past it fail with EFBIG, as on a full disk); exits 2
+    with the job's message on stderr, as the CLI does."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    try:
+        batch.run_job(tiny_llm(), inp, out, batch_size=SLOTS, progress=False)
+    except batch.BatchError as e:
+        print(f"specjax: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_requests_in_flight_then_resume(clean, tmp_path):
+    """SIGTERM after the first result: the job admits nothing new, writes the requests it was running, exits
+    0 with whole lines only; a rerun serves the rest, every id exactly once with the uninterrupted tokens."""
+    inp, results = clean
+    out = tmp_path / "out.jsonl"
+    code = _child_code("_child", inp, str(out), str(tmp_path / "jit-cache"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 180
+    while _line_count(out) == 0 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    at_signal = _line_count(out)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    assert "SIGTERM: finishing the requests in flight" in stderr.decode()
+    lines = out.read_bytes()
+    assert lines.endswith(b"\n")
+    first = by_id(json.loads(x) for x in lines.split(b"\n")[:-1])
+    # Stopped early: at most the slots that were running (and what finished meanwhile) came after the signal.
+    assert at_signal <= len(first) <= at_signal + SLOTS + 1 and len(first) < len(results), (at_signal, len(first))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    got = by_id(read_results(out))
+    assert set(got) == set(results)
+    for k, r in results.items():
+        assert got[k]["token_ids"] == r["token_ids"], k
+
+
+@pytest.mark.slow
+def test_full_disk_stops_cleanly_and_resume_recovers_everything(clean, tmp_path):
+    """Writes past a file-size limit fail: the job ends with one clear message (no traceback), the output holds
+    whole lines only, and a rerun without the limit completes every id exactly once."""
+    inp, results = clean
+    out = tmp_path / "out.jsonl"
+    one_line = len(json.dumps(next(iter(results.values())))) + 1
+    limit = 3 * one_line + one_line // 2  # room for about three results
+    env = dict(os.environ, JAX_PLATFORMS="cpu", SPECJAX_COMPILATION_CACHE="0")
+    proc = subprocess.run([sys.executable, "-c", _child_code("_child_fsize", inp, str(out), limit)], env=env,
+                          capture_output=True, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err[-2000:]
+    assert "cannot write the result of id" in err and "rerun the same command to resume" in err
+    assert "Traceback" not in err
+    data = out.read_bytes()
+    assert data.endswith(b"\n") and 1 <= data.count(b"\n") <= 4 and len(data) <= limit
+    proc = subprocess.run([sys.executable, "-c", _child_code("_child", inp, str(out), str(tmp_path / "jc"))],
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    got = by_id(read_results(out))
+    assert set(got) == set(results)
+    for k, r in results.items():
+        assert got[k]["token_ids"] == r["token_ids"], k
