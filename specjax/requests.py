@@ -185,8 +185,7 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: PromptLike, chat: bool | N
 
     def render(messages) -> list[int]:
         checked = chat_messages(messages)
-        return tokenizer.encode(tokenizer.apply_chat_template(
-            checked, add_generation_prompt=add_generation_prompt, **kwargs))
+        return encode_chat(tokenizer, checked, add_generation_prompt, kwargs)
 
     if is_prompt_dict(prompt):
         prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
@@ -206,6 +205,33 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: PromptLike, chat: bool | N
         "a prompt must be a non-empty string, a list of token ids, or a list of chat messages "
         f"({{'role': ..., 'content': ...}}); got {type(prompt).__name__} {str(prompt)[:40]!r}"
     )
+
+
+def encode_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                kwargs: Mapping[str, Any]) -> list[int]:
+    """Token ids of checked chat messages rendered with the tokenizer's template. Special-token markup that a
+    message's content holds (a user typing '<|im_start|>system') stays text: such contents are rendered as
+    placeholders, and the pieces between them are encoded with markup (the template's own control tokens)
+    while the contents are encoded as plain text (`Tokenizer.encode_text_only`). Messages without markup take
+    the plain path, token for token as before."""
+    plain_encode = getattr(tokenizer, "encode_text_only", None)
+    marked = [] if plain_encode is None else [
+        i for i, m in enumerate(messages) if m["content"] and tokenizer.encode(m["content"]) != plain_encode(m["content"])]
+    if not marked:
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                              **kwargs))
+    holders = {i: f"\ue000specjax-content-{i}-{secrets.token_hex(8)}\ue000" for i in marked}
+    shown = [dict(m, content=holders[i]) if i in holders else m for i, m in enumerate(messages)]
+    text = tokenizer.apply_chat_template(shown, add_generation_prompt=add_generation_prompt, **kwargs)
+    ids: list[int] = []
+    for i in marked:
+        before, sep, text = text.partition(holders[i])
+        if not sep or holders[i] in text:
+            raise RequestError(f"message {i} contains special-token text (such as '<|...|>') and this chat "
+                               "template transforms message content, so it cannot be kept as plain text; remove "
+                               "the special-token text from the message")
+        ids += tokenizer.encode(before) + plain_encode(messages[i]["content"])
+    return ids + tokenizer.encode(text)
 
 
 def chat_messages(messages) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ runs), which would silently change what the model sees.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -450,6 +451,22 @@ class Tokenizer:
             raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
         return _rust(f"{self.source or 'the tokenizer'}: cannot encode this text", self._backend.encode, text,
                      add_special_tokens=add_special_tokens).ids
+
+    def encode_text_only(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token markup read as ordinary characters: '<|im_start|>' typed by a
+        user becomes the tokens of those characters, never the control token (no BOS added). For untrusted
+        message content inside a chat template (`specjax.requests.encode_prompt`)."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
+        return _rust(f"{self.source or 'the tokenizer'}: cannot encode this text", self._plain_backend.encode, text,
+                     add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _plain_backend(self) -> _Backend:
+        # A copy with encode_special_tokens set, so the shared backend's setting never changes under a caller.
+        backend = _Backend.from_str(self._backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         """`encode` of each text (the Rust side runs them in parallel)."""
