@@ -336,3 +336,17 @@ def test_sampled_tokens_have_finite_logprobs_under_their_filters(llm):
 def test_streaming_needs_one_sample_per_prompt(llm):
     with pytest.raises(RequestError, match="needs n = 1"):
         llm.generate(PROMPTS, SamplingParams(max_tokens=4, n=2), stream=lambda i, t: None)
+
+
+def test_compile_time_reported_apart_and_zero_when_warm():
+    """A first call at a new shape reports the seconds it spent compiling (part of its TTFT); the same call
+    again compiles nothing and reports 0."""
+    from spec_helpers import tiny_config, tiny_llm, tiny_params
+
+    config = tiny_config(40, num_layers=1)
+    llm = tiny_llm(config, tiny_params(config, seed=9))
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    first = llm.generate([[1, 2, 3]], sp)[0].metrics
+    again = llm.generate([[4, 5, 6]], sp)[0].metrics
+    assert 0 < first.compile_time <= first.total_time
+    assert again.compile_time == 0.0

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import compile_time
 from specjax.engine import FINISH_RUNNING
 from specjax.requests import RequestOutput, build_output, check_requests, num_stop, pad_prompts, sampling_arrays
 
@@ -93,9 +94,16 @@ def generate(llm, prompts, ids: list[list[int]], params: list, variant) -> list[
     `variant.stream` set, new text is handed to stream(prompt_index, new_text) while decoding (`stream_events`)."""
     if getattr(variant, "stream", None) is not None:
         return drain(stream_events(llm, prompts, ids, params, variant), variant.stream)
-    b, sampling, state, t0, ttft = _start(llm, ids, params, variant)
-    state = variant.loop(b, state, sampling, ids)
-    return _outputs(llm, prompts, ids, variant, state, t0, ttft)
+    with compile_time.watch(compile_time.say) as ct:
+        b, sampling, state, t0, ttft = _start(llm, ids, params, variant)
+        state = variant.loop(b, state, sampling, ids)
+        return _with_compile_time(_outputs(llm, prompts, ids, variant, state, t0, ttft), ct)
+
+
+def _with_compile_time(outs: list[RequestOutput], ct) -> list[RequestOutput]:
+    for o in outs:
+        o.metrics.compile_time = ct.total
+    return outs
 
 
 def stream_events(llm, prompts, ids: list[list[int]], params: list,
@@ -106,6 +114,11 @@ def stream_events(llm, prompts, ids: list[list[int]], params: list,
     token) and after every `variant.chunks` chunk of steps; the host looks at the output only between chunks,
     so the device runs `chunk` steps uninterrupted. Time the caller spends between events counts in the
     outputs' total_time."""
+    with compile_time.watch(compile_time.say) as ct:
+        return (yield from _stream_events(llm, prompts, ids, params, variant, ct))
+
+
+def _stream_events(llm, prompts, ids, params, variant, ct):
     b, sampling, state, t0, ttft = _start(llm, ids, params, variant)
     text = TextStream(llm.tokenizer, len(ids))
     yield from text.push(variant.dec(state))
@@ -118,7 +131,7 @@ def stream_events(llm, prompts, ids: list[list[int]], params: list,
             break
         yield from text.push(view)
     yield from text.push(variant.dec(state))
-    outs = _outputs(llm, prompts, ids, variant, state, t0, ttft)
+    outs = _with_compile_time(_outputs(llm, prompts, ids, variant, state, t0, ttft), ct)
     yield from text.finish([o.text for o in outs])
     return outs
 
