@@ -28,10 +28,11 @@ from specjax.errors import SpecjaxError
 
 SOURCE_DIR = pathlib.Path(__file__).with_name("cpu")
 # Compiled together into one library; tiles.h (included by both) is part of the cache key.
-SOURCES = (SOURCE_DIR / "small_matmul.cc", SOURCE_DIR / "prefix_attention.cc")
+SOURCES = (SOURCE_DIR / "small_matmul.cc", SOURCE_DIR / "prefix_attention.cc", SOURCE_DIR / "quant_matmul.cc")
 HEADERS = (SOURCE_DIR / "tiles.h",)
 # FFI target name -> exported handler symbol.
-TARGETS = {"specjax_small_matmul": "SpecjaxSmallMatmul", "specjax_prefix_attention": "SpecjaxPrefixAttention"}
+TARGETS = {"specjax_small_matmul": "SpecjaxSmallMatmul", "specjax_prefix_attention": "SpecjaxPrefixAttention",
+           "specjax_quant_matmul": "SpecjaxQuantMatmul"}
 
 
 MODES = ("auto", "kernel", "xla")

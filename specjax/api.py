@@ -40,35 +40,78 @@ class LLM:
     # Class-level defaults: stand-ins built with LLM.__new__ (tests' tiny models) behave like LLM(...) without them.
     speculative_config = SpeculativeConfig()
     max_num_seqs: int | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
+    mesh_plan = None  # a specjax.mesh.ShardingPlan when the model runs over a device mesh
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", *,
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", *,
                  speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
                  max_num_seqs: int | None = None, backend: str = "auto", attention_impl: str = "auto",
-                 max_context: int | None = None, attention_interpret: bool = False):
-        """speculative_config: the default of every generate / chat call (None: plain decoding); a call's own
+                 max_context: int | None = None, attention_interpret: bool = False, mesh=None,
+                 quantization: str | None = None, quantization_group_size: int = 32,
+                 kv_cache_dtype: str | None = None):
+        """dtype: 'float32' | 'bfloat16', or 'auto' (the checkpoint's own: config.json's dtype / torch_dtype for
+        a Hugging Face directory, so bf16 stays bf16; float32 for GGUF files); `self.dtype` is the one loaded.
+        speculative_config: the default of every generate / chat call (None: plain decoding); a call's own
         speculative_config replaces it. The drafter is built here, so a bad head path fails now.
         max_num_seqs: run at most this many sequences (samples) at once; more are queued in batches of this
         size (None: all in one batch).
         backend: 'auto' | 'cpu' | 'gpu' | 'tpu' run the default program; 'neuron' runs the Neuron-policy
         program (fused unrolled steps looped from the host, buckets compiled ahead of time), on CPU when the
-        Neuron SDK is absent. attention_interpret runs Pallas kernels in interpret mode (testing on CPU)."""
+        Neuron SDK is absent. attention_interpret runs Pallas kernels in interpret mode (testing on CPU).
+        mesh: run over a device mesh ('data=2,model=4', a dict, a specjax.mesh.MeshConfig or a jax.sharding.Mesh
+        with axes data and model; see specjax.mesh): the params are placed at load, tensor-parallel over `model`,
+        the batch spread over `data`. None: one device.
+        quantization: None (float weights in `dtype`), 'int8' (per output channel), 'int4' (an asymmetric scale
+        per quantization_group_size inputs) or 'gguf' (a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks) for the
+        target's layer projections (specjax.models.quant); speculation runs on top unchanged, and greedy output
+        stays that of the same quantized target. kv_cache_dtype: None, or 'int8' (see specjax.kv_cache)."""
         spec = SpeculativeConfig.from_user(speculative_config)
         if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
                                          or max_num_seqs < 1):
             raise ConfigError(f"invalid max_num_seqs={max_num_seqs!r}: must be an integer >= 1, or None for no cap")
-        loaded = load_model(model, dtype)
+        if mesh is not None and backend == "neuron":
+            raise ConfigError("mesh runs the default program; the Neuron policy runs on one device: drop mesh or "
+                              "use backend='auto'")
+        plan = None
+        if mesh is not None:
+            from specjax import mesh as meshes
+
+            mesh_config = None if isinstance(mesh, jax.sharding.Mesh) else meshes.MeshConfig.from_user(mesh)
+            built = meshes.make_mesh(mesh if mesh_config is None else mesh_config)
+        from specjax.models import quant
+
+        quant.check_quantization(quantization)
+        if kv_cache_dtype not in (None, "int8"):
+            raise ConfigError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; supported: None (the model's dtype), 'int8'")
+        if kv_cache_dtype == "int8":
+            # specjax.kv_cache and llama.forward read and write int8 caches; the engines allocate theirs with the
+            # params' dtype (engine.prefill_core) and rebuild KVCache without scales, so the option stops here.
+            raise ConfigError("kv_cache_dtype='int8' is not wired into the generation engines yet (the int8 cache "
+                              "works at the forward level: specjax.kv_cache.init_cache(dtype=jnp.int8)); use None")
+        if quantization is not None and mesh is not None:
+            raise ConfigError("quantized weights do not run over a device mesh yet: drop mesh or quantization")
+        loaded = load_model(model, dtype, quantization=quantization, group_size=quantization_group_size)
         self.model_spec = model
-        self.dtype = dtype
+        self.dtype = str(loaded.params["embed"].dtype)  # 'auto' resolved to the checkpoint's
+        self.quantization = quantization
+        self.kv_cache_dtype = kv_cache_dtype
         self.config = loaded.config
         # The inference layout (fused, [out, in] projections): 10-25% faster target forwards on XLA:CPU.
         self.params = fuse_projections(loaded.params)
+        if mesh is not None:
+            plan = meshes.plan_for(loaded.config, built, "auto" if mesh_config is None else mesh_config.attention)
+            self.params = meshes.place_params(self.params, loaded.config, plan)
+        self.mesh_plan = plan
         self.tokenizer = loaded.tokenizer
         self.source = loaded.source
         self.max_context = min(max_context or loaded.config.max_position_embeddings,
                                loaded.config.max_position_embeddings)
         self.backend = backend
         self.attention_impl = attention_impl
-        self.attention_fn = resolve_attention(attention_impl, backend, attention_interpret)
+        # Sliding-window models (Mistral) verify with the XLA path in the model, the one that applies the window.
+        windowed = getattr(loaded.config, "sliding_window", None) is not None and attention_impl == "auto"
+        self.attention_fn = None if windowed else resolve_attention(attention_impl, backend, attention_interpret)
         # What speculative generation keeps between calls: built drafters, measured break-evens, learned priors.
         self.runtime = SpecRuntime()
         self.speculative_config = spec
@@ -76,7 +119,14 @@ class LLM:
         if spec.enabled and backend != "neuron":
             from specjax.runners import speculative
 
-            speculative.drafter_for(self, spec)
+            with self.on_mesh():
+                speculative.drafter_for(self, spec)
+
+    def on_mesh(self):
+        """The context every program of this model traces and runs in: its mesh (`jax.set_mesh`), or nothing."""
+        from specjax.mesh import maybe_context
+
+        return maybe_context(self.mesh_plan)
 
     # ------------------------------------------------------------------------------------ input handling
     def encode_prompt(self, prompt: PromptLike, chat: bool | None, **template: Any) -> list[int]:
@@ -169,7 +219,8 @@ class LLM:
         for start in range(0, len(rows), cap):
             part = slice(start, start + cap)
             row_stream = None if stream is None else _row_stream(stream, owners, holds, start)
-            outs = self._run(row_ids[part], row_ids[part], rows[part], spec, row_stream)
+            with self.on_mesh():
+                outs = self._run(row_ids[part], row_ids[part], rows[part], spec, row_stream)
             for r, o in enumerate(outs, start):
                 sp = rows[r]
                 comp = requests.finish_completion(self.tokenizer, o.outputs[0], sp)
@@ -233,9 +284,10 @@ class LLM:
         targets[0, :N] = out
         sampling = requests.sampling_arrays(self.tokenizer, [sp], 1, max(1, requests.num_stop(self.tokenizer, [sp])),
                                             [list(prompt_ids)], self.config.vocab_size)
-        chosen, rank, vals, top = jax.device_get(_score_tokens(self.params, self.config, jnp.asarray(tokens),
-                                                               jnp.asarray(positions), jnp.asarray(targets),
-                                                               sampling, k))
+        with self.on_mesh():
+            chosen, rank, vals, top = jax.device_get(_score_tokens(self.params, self.config, jnp.asarray(tokens),
+                                                                   jnp.asarray(positions), jnp.asarray(targets),
+                                                                   sampling, k))
         decode = functools.lru_cache(maxsize=None)(lambda t: self.tokenizer.decode([t]))
         steps = []
         for j, tok in enumerate(out):

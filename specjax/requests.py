@@ -195,7 +195,9 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: PromptLike, chat: bool | N
     _refuse_bytes(prompt)
     if isinstance(prompt, str):
         check_text(prompt, "the prompt")
-        return render([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+        # Raw text gets the BOS its post-processor asks for (Tokenizer.encode_prompt); stand-ins encode plainly.
+        return render([{"role": "user", "content": prompt}]) if chat else getattr(tokenizer, "encode_prompt",
+                                                                                   tokenizer.encode)(prompt)
     if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
         return render(prompt)
     if isinstance(prompt, Sequence) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):

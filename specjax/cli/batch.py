@@ -23,6 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", dest="max_steps", type=int, default=32,
                    help="decode steps between host check-ins at most (default 32)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--num-processes", dest="num_processes", type=int, default=1,
+                   help="processes sharing the job (jax.distributed); each writes OUTPUT.part-<id>, process 0 "
+                        "merges them into OUTPUT (default 1)")
+    p.add_argument("--process-id", dest="process_id", type=int, default=0, help="this process's id, 0..N-1")
+    p.add_argument("--coordinator", help="HOST:PORT of process 0, the same on every process (several processes)")
 
 
 def run(args) -> int:
@@ -37,13 +42,23 @@ def run(args) -> int:
         if args.batch_size is not None:
             overrides.append(f"batch_size={args.batch_size}")
         cfg = load_run_config(args.config, overrides)
-        llm = make_llm(cfg)
-        from specjax.runners.batch import run_job
+        nproc = getattr(args, "num_processes", 1)
+        if nproc != 1 or getattr(args, "process_id", 0) != 0:
+            from specjax.runners import distributed
 
+            # Before the model loads: joining the distributed runtime must come before any other JAX call.
+            distributed.initialize(args.coordinator, nproc, args.process_id)
+        llm = make_llm(cfg)
         spec = cfg.speculative if cfg.speculative.enabled else None
-        summary = run_job(llm, args.input, args.output, sampling=cfg.sampling, speculative=spec,
-                          batch_size=cfg.batch_size, chat=args.chat, max_steps=args.max_steps,
-                          progress=args.progress)
+        job = dict(sampling=cfg.sampling, speculative=spec, batch_size=cfg.batch_size, chat=args.chat,
+                   max_steps=args.max_steps, progress=args.progress)
+        if nproc != 1:
+            summary, _ = distributed.run_shard(llm, args.input, args.output, process_id=args.process_id,
+                                               num_processes=nproc, **job)
+        else:
+            from specjax.runners.batch import run_job
+
+            summary = run_job(llm, args.input, args.output, **job)
     except BatchError as e:
         print(f"specjax: error: {e}", file=sys.stderr)
         return 2

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all-turns", action="store_true", help="run multi-turn questions as a conversation")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
+                   help="quantized target weights (specjax.models.quant); default: float weights in --dtype")
     p.add_argument("--out", default="bench-results", help="output directory (JSON + Markdown + PNG)")
     p.add_argument("--peers", nargs="*", default=[],
                    help="peer engines run greedily on the same prompts: transformers, transformers-prompt-lookup, "
@@ -181,7 +183,7 @@ def run(args) -> int:
 
     prompts = bench.load_prompts(args.dataset, per_category=args.per_category, limit=args.limit)
     methods = _methods(args.methods)
-    llm = LLM(args.model, args.dtype)
+    llm = LLM(args.model, args.dtype, quantization=args.quantization)
     os.makedirs(args.out, exist_ok=True)
     doc = {"environment": bench.environment(llm), "dataset": os.path.abspath(args.dataset),
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes,

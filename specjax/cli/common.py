@@ -15,7 +15,7 @@ def shortcut_overrides(args) -> list[str]:
                       ("seed", "sampling.seed"), ("method", "speculative.method"),
                       ("num_speculative_tokens", "speculative.num_speculative_tokens"),
                       ("draft", "speculative.model"), ("backend", "backend.backend"),
-                      ("attention_impl", "backend.attention_impl")):
+                      ("attention_impl", "backend.attention_impl"), ("mesh", "backend.mesh")):
         value = getattr(args, flag, None)
         if value is not None:
             out.append(f"{key}={value}")
@@ -37,13 +37,17 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft model / head path for the speculative method")
     p.add_argument("--backend", choices=["auto", "cpu", "gpu", "tpu", "neuron"])
     p.add_argument("--attention-impl", dest="attention_impl")
+    p.add_argument("--mesh", help="run over a device mesh, e.g. data=2,model=4 (tensor parallel over model, the batch "
+                                  "over data); default: one device")
 
 
 def make_llm(cfg: RunConfig):
     from specjax.api import LLM
 
     return LLM(cfg.model.model, cfg.model.dtype, backend=cfg.backend.backend,
-               attention_impl=cfg.backend.attention_impl, max_context=cfg.model.max_context)
+               attention_impl=cfg.backend.attention_impl, max_context=cfg.model.max_context, mesh=cfg.backend.mesh,
+               quantization=cfg.model.quantization, quantization_group_size=cfg.model.quantization_group_size,
+               kv_cache_dtype=cfg.model.kv_cache_dtype)
 
 
 def user_errors() -> tuple[type[Exception], ...]:

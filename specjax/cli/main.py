@@ -116,7 +116,7 @@ def cmd_generate(args) -> int:
     chat = not args.raw
     llm = make_llm(cfg)
     spec = _spec(cfg)
-    print(f"model {cfg.model.model} ({llm.source.kind}: {llm.source.path}), dtype {cfg.model.dtype}, "
+    print(f"model {cfg.model.model} ({llm.source.kind}: {llm.source.path}), dtype {llm.dtype}, "
           f"method {cfg.speculative.method or 'plain'}"
           + (f", gamma {cfg.speculative.num_speculative_tokens}" if spec else ""), file=sys.stderr)
     if args.compare and spec is not None:  # plain before and after the method: their spread shows the noise

@@ -68,16 +68,25 @@ def _from_user(cls: type, obj: Any, name: str) -> Any:
 @dataclass(frozen=True)
 class ModelConfig:
     """Which target model to run. `model` is a registry name (e.g. 'smollm2-135m') or a local path;
-    `max_context` caps the KV cache length (None = the model's own limit)."""
+    `max_context` caps the KV cache length (None = the model's own limit). `quantization`: None = float weights,
+    'int8' (per output channel), 'int4' (`quantization_group_size` inputs per scale and minimum) or 'gguf' (a GGUF
+    file's own Q8_0 / Q4_0 / Q4_1 blocks); see specjax.models.quant. `kv_cache_dtype`: None = the model's dtype,
+    'int8' = int8 entries with per-token, per-head scales (see specjax.kv_cache)."""
 
     model: str = "smollm2-135m"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: the checkpoint's (GGUF: float32)
     max_context: Optional[int] = None
+    quantization: Optional[Literal["int8", "int4", "gguf"]] = None
+    quantization_group_size: int = 32
+    kv_cache_dtype: Optional[Literal["int8"]] = None
 
     def __post_init__(self) -> None:
         _normalize(self)
         if not self.model.strip():
             raise _invalid("model", self.model, "must name a model; use e.g. 'smollm2-135m' or a local path")
+        if self.quantization_group_size < 32 or self.quantization_group_size % 32:
+            raise _invalid("quantization_group_size", self.quantization_group_size,
+                           "must be a positive multiple of 32 that divides the model's input dimensions, e.g. 64")
         if self.max_context is not None and self.max_context < 1:
             raise _invalid("max_context", self.max_context,
                            "must be >= 1; use null for the model's own context length")
@@ -342,15 +351,19 @@ def _check_tree(choices: tuple[tuple[int, ...], ...]) -> None:
 @dataclass(frozen=True)
 class BackendConfig:
     """Where to run. backend 'auto' picks the best available JAX platform; attention_impl names an attention
-    kernel ('auto' = the backend's default)."""
+    kernel ('auto' = the backend's default); mesh runs over a device mesh, e.g. 'data=2,model=4' (None = one
+    device; see specjax.mesh)."""
 
     backend: Literal["auto", "cpu", "gpu", "tpu", "neuron"] = "auto"
     attention_impl: str = "auto"
+    mesh: Optional[str] = None
 
     def __post_init__(self) -> None:
         _normalize(self)
         if not self.attention_impl.strip():
             raise _invalid("attention_impl", self.attention_impl, "must not be empty; use 'auto'")
+        if self.mesh is not None and not self.mesh.strip():
+            raise _invalid("mesh", self.mesh, "must name the axes, e.g. 'data=2,model=4'; use null for one device")
 
 
 @_suggest_unknown_keys

@@ -408,6 +408,18 @@ class _StaticTextAsOutput(jinja2.ext.Extension):
                 yield token
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: the blocks with which Hugging Face templates mark the assistant's
+    own tokens (for `return_assistant_tokens_mask`). Rendering a prompt needs no mask, so the body renders in
+    place, exactly as if the tags were absent."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)  # the `generation` name
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 class _CountingCodeGenerator(CodeGenerator):
     """Compiles `a ~ b ~ c` to a join that sizes its parts first (jinja2's own join cannot be intercepted)."""
 
@@ -469,7 +481,7 @@ class _LimitedEnvironment(ImmutableSandboxedEnvironment):
 @functools.lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
     env = _LimitedEnvironment(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
-                              extensions=[jinja2.ext.loopcontrols, _StaticTextAsOutput])
+                              extensions=[jinja2.ext.loopcontrols, _StaticTextAsOutput, _GenerationBlocks])
     env.filters = {name: _limit_filter(name, fn) for name, fn in env.filters.items()}
     env.filters["tojson"] = _tojson
     env.globals.update(range=_limited_range, lipsum=_lipsum, raise_exception=_raise_exception,

@@ -13,6 +13,10 @@ A string is a u64 byte length and UTF-8 bytes; an array is a u32 element type, a
 
 Strings stay as bytes until asked for (`get`), so a damaged string in a key nobody reads does not stop a load,
 and one that is read gives an error naming its key.
+
+Split models (llama.cpp's gguf-split: `<name>-00001-of-0000N.gguf` ... `<name>-0000N-of-0000N.gguf`, each with
+`split.no`, `split.count` and `split.tensors.count`; the metadata in the first) load through `read_gguf_split`
+given the first file: one `GGUFFile` over every shard's tensors.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import dataclasses
 import math
 import mmap
 import os
+import re
 import struct
 from typing import Any
 
@@ -28,7 +33,7 @@ import numpy as np
 from specjax.errors import SpecjaxError
 from specjax.models.safe_files import looks_like_pickle
 
-__all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "read_gguf"]
+__all__ = ["GGUFError", "GGUFFile", "GGUFShards", "GGUFTensor", "read_gguf", "read_gguf_split"]
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -37,6 +42,9 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_KEY_BYTES = 65535
 MAX_TENSOR_NAME_BYTES = 4096
 MAX_ARRAY_LEN = 1 << 26  # far above any real vocabulary or merge list; the file size bounds it further
+MAX_SPLITS = 99999  # the five digits of gguf-split's file names
+# gguf-split's file names: <prefix>-<shard, from 1>-of-<count>.gguf, five digits each.
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})\.gguf$")
 
 # GGUF value types: id -> (name, struct format or None for string/array, size in bytes)
 _UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = \
@@ -180,6 +188,77 @@ class GGUFFile:
             raise self.error(f"{self.path}: tensor {tensor.name} dequantized to {arr.size} values, expected shape "
                              f"{tensor.shape}")
         return arr.reshape(tensor.shape)
+
+
+class GGUFShards(GGUFFile):
+    """A split GGUF model as one file: the first shard's metadata and header fields, every shard's tensors (each
+    read from its own file). Build it with `read_gguf_split`."""
+
+    def __init__(self, shards: list[GGUFFile], owner: dict[str, GGUFFile]):
+        first = shards[0]
+        tensors = {name: shard.tensors[name] for name, shard in owner.items()}
+        super().__init__(first.path, first.error, first.version, first._fields, tensors, first.alignment,
+                         first.data_offset, first.file_size, first._buffer)
+        self.shards = tuple(shards)
+        self._owner = owner
+
+    def raw_tensor(self, tensor: GGUFTensor) -> np.ndarray:
+        """The tensor's bytes as stored in its own shard (a read-only view of that file's map)."""
+        return self._owner[tensor.name].raw_tensor(tensor)
+
+
+def read_gguf_split(path: str, *, error: type = GGUFError) -> GGUFFile:
+    """`read_gguf` of a model that may be split by llama.cpp's gguf-split. A file without `split.count` (or with
+    count 1) is returned as `read_gguf` reads it. Given the first shard `<prefix>-00001-of-<N>.gguf`, the other
+    N - 1 are read from the same directory and checked: each is a valid GGUF file whose split.no and split.count
+    match its name, no tensor is in two shards, and the total is split.tensors.count. Given any other shard, the
+    error names the first."""
+    path = os.fspath(path)
+    first = read_gguf(path, error=error)
+    count = _split_int(first, "split.count", error)
+    if count is None or count == 1:
+        return first
+    if not 1 <= count <= MAX_SPLITS:
+        raise error(f"{path}: split.count {count} is outside [1, {MAX_SPLITS}]; the file is corrupt")
+    directory, filename = os.path.split(path)
+    match = SPLIT_NAME.match(filename)
+    if match is None or int(match["count"]) != count:
+        raise error(f"{path}: a shard of a model split into {count} files must be named <name>-NNNNN-of-"
+                    f"{count:05d}.gguf (as llama.cpp's gguf-split writes them); rename the shards back")
+    names = [os.path.join(directory, f"{match['prefix']}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1)]
+    no = _split_int(first, "split.no", error)
+    if no != 0:
+        raise error(f"{path} is shard {'?' if no is None else no + 1} of {count} of a split model; load the first "
+                    f"shard, {names[0]}, which holds the metadata and finds the others")
+    shards, owner = [first], dict.fromkeys(first.tensors, first)
+    for k, shard_path in enumerate(names[1:], start=1):
+        if not os.path.isfile(shard_path):
+            raise error(f"{path}: shard {k + 1} of {count}, {shard_path}, is missing; a split model needs all its "
+                        "files in one directory")
+        shard = read_gguf(shard_path, error=error)
+        if _split_int(shard, "split.no", error) != k or _split_int(shard, "split.count", error) != count:
+            raise error(f"{shard_path}: its split.no / split.count ({shard.get('split.no')} / "
+                        f"{shard.get('split.count')}) do not say shard {k + 1} of {count}; the shards are from "
+                        "different splits")
+        twice = sorted(set(shard.tensors) & set(owner))
+        if twice:
+            raise error(f"{shard_path}: tensor {twice[0]!r} is also in {owner[twice[0]].path}; the split is "
+                        "inconsistent")
+        owner.update(dict.fromkeys(shard.tensors, shard))
+        shards.append(shard)
+    total = _split_int(first, "split.tensors.count", error)
+    if total is not None and total != len(owner):
+        raise error(f"{path}: split.tensors.count says {total} tensors but the {count} shards hold {len(owner)}; a "
+                    "shard is truncated or from another split")
+    return GGUFShards(shards, owner)
+
+
+def _split_int(reader: GGUFFile, key: str, error: type) -> int | None:
+    """An integer split.* value, None if absent; another type is the file's error."""
+    value = reader.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise error(f"{reader.path}: {key} must be an integer, got {type(value).__name__}; the file is corrupt")
+    return value
 
 
 class _Cursor:

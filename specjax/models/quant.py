@@ -1,0 +1,323 @@
+"""Weight-only quantized projections: int8 (per output channel), int4 (group-wise) and GGUF's Q8_0 / Q4_0 / Q4_1
+blocks kept as the file stores them, behind one `linear(x, w)` that the model calls for every projection.
+
+A quantized weight is a `QuantWeight` pytree: codes and scales are its leaves (arrays), the format is static, so a
+params tree holding them jits like any other and a change of format is a change of program. Weights are stored
+[out, in] (the inference layout of `specjax.models.llama.fuse_projections`) and quantized along `in`:
+    kind    codes                      scale / minimum            value of w[o, k]
+    int8    int8 [N, K]                float32 [N, 1]             codes * scale                 (group = K)
+    int4    uint8 [N, K/2] (4-bit)     float32 [N, K/group] (both) nibble * scale + minimum
+    q8_0    int8 [N, K]                float16 [N, K/32]          codes * scale
+    q4_0    uint8 [N, K/2]             float16 [N, K/32]          (nibble - 8) * scale
+    q4_1    uint8 [N, K/2]             float16 [N, K/32] (both)   nibble * scale + minimum
+4-bit codes are packed in GGUF's order inside every 32 values (byte j of a block: value j in the low nibble,
+value j + 16 in the high one), so specjax's int4 and GGUF's Q4_0 / Q4_1 share one unpacking and one CPU kernel.
+
+Where the product runs (`linear`), decided at trace time:
+- float weights: exactly the old path (`specjax.kernels.cpu_matmul.matmul_t`), bit for bit;
+- quantized weights on the CPU platform with the C++ kernels built (`kernels/cpu/quant_matmul.cc`): the codes are
+  widened in registers and multiplied in the float32 kernel's order, for any number of rows. One summation order
+  for plain steps and verify blocks is what keeps greedy speculation exact for a quantized target;
+- elsewhere (GPU, TPU, no compiler, `SPECJAX_QUANT_MATMUL=xla`): int8 as `(x @ codes^T) * scale` in x's dtype, the
+  other kinds dequantized inside the jitted forward and multiplied by XLA's dot. On XLA:CPU that path converts the
+  whole weight on every call (about 10x slower than float32), which is why the CPU has its own kernel.
+`SPECJAX_QUANT_MATMUL` = auto (default: the kernel on CPU) | kernel | xla, as for the other CPU kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.errors import SpecjaxError
+from specjax.kernels import cpu_build, cpu_matmul
+
+QUANTIZATIONS = ("int8", "int4", "gguf")  # what LLM(quantization=...) accepts besides None
+KINDS = ("int8", "int4", "q8_0", "q4_0", "q4_1")
+GGUF_NATIVE = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF types kept as stored by quantization="gguf"
+DEFAULT_GROUP_SIZE = 32  # GGUF Q4 block size: a Q4 file requantized at 32 lands on its own grid
+BLOCK = 32  # GGUF block length, and the granularity of 4-bit packing and of the CPU kernel
+ENV_MODE = "SPECJAX_QUANT_MATMUL"
+FFI_TARGET = "specjax_quant_matmul"
+
+
+class QuantizationError(SpecjaxError, ValueError):
+    """A quantization setting or weight that cannot be used, with what is supported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantWeight:
+    """A weight [N, K] stored [out, in] as codes and per-group scales (see the module docstring for each kind).
+
+    codes int8 [N, K] (8-bit kinds) or uint8 [N, K/2] (4-bit kinds); scale [N, K/group] float32 (int8, int4) or
+    float16 (GGUF kinds); minimum like scale for int4 and q4_1, else None. kind and group are static (pytree metadata)."""
+
+    codes: jax.Array
+    scale: jax.Array
+    minimum: jax.Array | None
+    kind: str
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical [N, K] shape of the weight."""
+        n, c = self.codes.shape
+        return (int(n), int(c) * (1 if self.bits == 8 else 2))
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.kind in ("int8", "q8_0") else 4
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes resident for this weight (codes, scales and minimums)."""
+        leaves = [self.codes, self.scale] + ([self.minimum] if self.minimum is not None else [])
+        return int(sum(a.size * np.dtype(a.dtype).itemsize for a in leaves))
+
+
+jax.tree_util.register_dataclass(QuantWeight, data_fields=["codes", "scale", "minimum"],
+                                 meta_fields=["kind", "group"])
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QuantWeight)
+
+
+def check_quantization(quantization: str | None) -> str | None:
+    """The setting itself, or QuantizationError naming the supported ones."""
+    if quantization is None or quantization in QUANTIZATIONS:
+        return quantization
+    raise QuantizationError(f"unknown quantization {quantization!r}; supported: None (float weights), "
+                            + ", ".join(repr(q) for q in QUANTIZATIONS))
+
+
+def mode() -> str:
+    """The `SPECJAX_QUANT_MATMUL` policy ('auto' when unset)."""
+    return cpu_build.env_mode(ENV_MODE)
+
+
+# ------------------------------------------------------------------------------------------------ quantizers
+
+
+def _as_2d(w, name: str) -> np.ndarray:
+    a = np.asarray(jax.device_get(w), np.float32)
+    if a.ndim != 2:
+        raise QuantizationError(f"{name}: only 2-D weights [out, in] are quantized, got shape {a.shape}")
+    return a
+
+
+def pack_nibbles(nibbles: np.ndarray) -> np.ndarray:
+    """uint8 values in [0, 16) [N, K] (K a multiple of 32) -> uint8 [N, K/2] in GGUF's order per 32-block."""
+    n, k = nibbles.shape
+    b = nibbles.reshape(n, k // BLOCK, 2, BLOCK // 2).astype(np.uint8)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """uint8 [..., N, K/2] -> the nibbles [..., N, K] as uint8 (inverse of `pack_nibbles`; works in jnp and jit)."""
+    *lead, n, h = packed.shape
+    b = packed.reshape(*lead, n, h // (BLOCK // 2), 1, BLOCK // 2)
+    both = jnp.concatenate([b & 15, b >> 4], axis=-2)  # [..., N, K/32, 2, 16]
+    return both.reshape(*lead, n, 2 * h)
+
+
+def quantize_int8(w, name: str = "weight") -> QuantWeight:
+    """Symmetric int8 with one float32 scale per output row: w [N, K] (stored [out, in]) -> QuantWeight.
+    |w - dequantize| <= scale / 2 = max|w[o]| / 254 per row."""
+    a = _as_2d(w, name)
+    amax = np.abs(a).max(axis=1, keepdims=True)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    codes = np.clip(np.rint(a / scale), -127, 127).astype(np.int8)
+    return QuantWeight(jnp.asarray(codes), jnp.asarray(scale), None, "int8", a.shape[1])
+
+
+def quantize_int4(w, group_size: int = DEFAULT_GROUP_SIZE, name: str = "weight") -> QuantWeight:
+    """Asymmetric 4-bit codes with a float32 scale and minimum per `group_size` inputs of each row (the form of
+    GGUF's Q4_1, with any group): w [N, K] -> QuantWeight, value = nibble * scale + minimum. group_size must be a
+    positive multiple of 32 that divides K. |w - dequantize| <= scale / 2 = (max - min) / 30 per group.
+    (Symmetric codes, (nibble - 8) * scale, lost too much: on SmolLM2's weights, already 4-bit with a minimum in
+    the GGUF, they moved the logits by up to 21 where these stay near the int8 error.)"""
+    a = _as_2d(w, name)
+    n, k = a.shape
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size <= 0 \
+            or group_size % BLOCK:
+        raise QuantizationError(f"int4 group_size must be a positive multiple of {BLOCK}, got {group_size!r}")
+    if k % group_size:
+        divisors = [g for g in range(BLOCK, k + 1, BLOCK) if k % g == 0]
+        raise QuantizationError(f"{name}: int4 group_size {group_size} does not divide the input dimension {k}; "
+                                f"use one of {divisors[:8]}" if divisors else
+                                f"{name}: int4 needs an input dimension that is a multiple of {BLOCK}, got {k}")
+    g = a.reshape(n, k // group_size, group_size)
+    lo, hi = g.min(axis=2), g.max(axis=2)
+    scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)  # [N, K/group]
+    minimum = lo.astype(np.float32)
+    q = np.clip(np.rint((g - minimum[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    return QuantWeight(jnp.asarray(pack_nibbles(q.reshape(n, k))), jnp.asarray(scale), jnp.asarray(minimum),
+                       "int4", group_size)
+
+
+def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int], name: str = "tensor") -> QuantWeight:
+    """A GGUF tensor's bytes as stored (uint8 [nbytes]) of type Q8_0, Q4_0 or Q4_1 and [out, in] shape -> the
+    QuantWeight of the same values (no dequantization: scales stay float16, codes stay packed)."""
+    if type_name not in GGUF_NATIVE:
+        raise QuantizationError(f"{name}: GGUF type {type_name} is not kept natively; supported: "
+                                f"{', '.join(GGUF_NATIVE)} (other types are dequantized to float)")
+    n, k = shape
+    if k % BLOCK:
+        raise QuantizationError(f"{name}: input dimension {k} is not a multiple of the GGUF block {BLOCK}")
+    kind = GGUF_NATIVE[type_name]
+    head = {"q8_0": 2, "q4_0": 2, "q4_1": 4}[kind]
+    body = BLOCK if kind == "q8_0" else BLOCK // 2
+    raw = np.asarray(raw, np.uint8)
+    if raw.size != n * (k // BLOCK) * (head + body):
+        raise QuantizationError(f"{name}: {raw.size} bytes do not hold a {type_name} tensor of shape {shape}")
+    blocks = raw.reshape(n, k // BLOCK, head + body)
+    scale = np.ascontiguousarray(blocks[:, :, 0:2]).view("<f2").reshape(n, k // BLOCK).astype(np.float16)
+    minimum = None
+    if kind == "q4_1":
+        minimum = jnp.asarray(np.ascontiguousarray(blocks[:, :, 2:4]).view("<f2").reshape(n, k // BLOCK)
+                              .astype(np.float16))
+    codes = np.ascontiguousarray(blocks[:, :, head:]).reshape(n, -1)
+    if kind == "q8_0":
+        codes = codes.view(np.int8)
+    return QuantWeight(jnp.asarray(codes), jnp.asarray(scale), minimum, kind, BLOCK)
+
+
+def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
+    """The weight with its output rows reordered (`w[index]`): blocks run along the input axis, so rows move whole."""
+    idx = np.asarray(index)
+    return dataclasses.replace(w, codes=w.codes[idx], scale=w.scale[idx],
+                               minimum=None if w.minimum is None else w.minimum[idx])
+
+
+def concat_rows(ws: list[QuantWeight]) -> QuantWeight:
+    """Weights of one kind and group stacked along the output axis (q/k/v and gate/up fusion)."""
+    kinds = {(w.kind, w.group, w.shape[1]) for w in ws}
+    if len(kinds) != 1:
+        raise QuantizationError(f"cannot fuse quantized weights of different formats or widths: {sorted(kinds)}")
+    cat = lambda xs: jnp.concatenate(xs, axis=0)  # noqa: E731
+    return dataclasses.replace(ws[0], codes=cat([w.codes for w in ws]), scale=cat([w.scale for w in ws]),
+                               minimum=None if ws[0].minimum is None else cat([w.minimum for w in ws]))
+
+
+def dequantize(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
+    """The float weight [N, K] a QuantWeight stands for, computed in float32 and cast to `dtype` (jnp; jittable)."""
+    n, k = w.shape
+    f32 = jnp.float32
+    if w.bits == 8:
+        c = w.codes.astype(f32)
+    else:
+        c = unpack_nibbles(w.codes).astype(f32)
+        if w.minimum is None:
+            c = c - 8.0
+    c = c.reshape(n, k // w.group, w.group)
+    v = c * w.scale.astype(f32)[..., None]
+    if w.minimum is not None:
+        v = v + w.minimum.astype(f32)[..., None]
+    return v.reshape(n, k).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------- the product
+
+
+def _ffi(x2: jax.Array, w: QuantWeight) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x2.shape[0], w.shape[0]), jnp.float32)
+    minimum = w.minimum if w.minimum is not None else jnp.zeros((1,), w.scale.dtype)
+    return jax.ffi.ffi_call(FFI_TARGET, out, vmap_method="sequential")(
+        x2, w.codes, w.scale, minimum, bits=np.int64(w.bits), group=np.int64(w.group),
+        has_min=w.minimum is not None)
+
+
+def use_kernel(x, w: QuantWeight) -> bool:
+    """Whether `linear` takes the C++ kernel for this product here (decided at trace time)."""
+    if mode() == "xla" or jax.default_backend() != "cpu":
+        return False
+    if w.group % BLOCK or w.shape[1] % w.group or x.shape[-1] != w.shape[1]:
+        return False
+    if not cpu_build.available():
+        cpu_build.warn_unavailable("quantized matmul", "XLA's dot on dequantized weights")
+        return False
+    return True
+
+
+def quant_matmul(x: jax.Array, w: QuantWeight) -> jax.Array:
+    """x [..., K] . dequantize(w)^T -> [..., N] float32 through the C++ kernel (CPU platform only; not jitted)."""
+    if x.shape[-1] != w.shape[1]:
+        raise QuantizationError(f"x [..., K={x.shape[-1]}] and the weight [N, K={w.shape[1]}] disagree on K")
+    if not cpu_build.available():
+        raise cpu_build.KernelBuildError(f"the CPU kernels are unavailable: {cpu_build.unavailable_reason()}")
+    lead = x.shape[:-1]
+    y = _ffi(x.reshape(-1, x.shape[-1]).astype(jnp.float32), w)
+    return y.reshape(*lead, w.shape[0])
+
+
+def linear(x: jax.Array, w, *, out_dtype=None, allow_kernel: bool = True) -> jax.Array:
+    """x [..., K] times a weight stored [out, in] ([N, K]) -> [..., N]: the model's one projection.
+
+    Float weights take `cpu_matmul.matmul_t` unchanged (out_dtype default: the dtype XLA's dot gives). A
+    QuantWeight gives x's dtype by default, through the CPU kernel or XLA (see the module docstring);
+    allow_kernel=False forces XLA (under a device mesh, which cannot partition a custom call)."""
+    if not isinstance(w, QuantWeight):
+        return cpu_matmul.matmul_t(x, w, out_dtype=out_dtype)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if allow_kernel and use_kernel(x, w):
+        return quant_matmul(x, w).astype(out_dtype)
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    if w.kind == "int8":
+        # One scale per output: applied after the product, so the weight is only widened, never multiplied.
+        y = jax.lax.dot_general(x, w.codes.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+        return (y * w.scale[:, 0]).astype(out_dtype)
+    return jax.lax.dot_general(x, dequantize(w, x.dtype), dims, preferred_element_type=out_dtype)
+
+
+# --------------------------------------------------------------------------------------------- params trees
+
+QUANTIZED_KEYS = ("wqkv_t", "wo_t", "w_gu_t", "w_down_t")  # the projections of the inference layout
+
+
+def quantize_params(params: dict, quantization: str, *, group_size: int = DEFAULT_GROUP_SIZE,
+                    lm_head: bool = False) -> dict:
+    """Params in the inference layout (`fuse_projections`) with every layer projection quantized to
+    `quantization` ('int8' or 'int4'); norms, biases and the embedding stay float. lm_head=True adds the LM head
+    as a quantized 'lm_head_q' [V, H] (from `lm_head` or the tied embedding), which `llama.lm_head` then reads;
+    the float embedding stays for the token lookup and for drafters that share it. A new tree."""
+    if quantization not in ("int8", "int4"):
+        raise QuantizationError(f"quantize_params takes 'int8' or 'int4', got {quantization!r} ('gguf' keeps a "
+                                "GGUF file's own blocks: load the model with quantization='gguf')")
+    quant = (quantize_int8 if quantization == "int8"
+             else lambda w, name: quantize_int4(w, group_size, name))
+    layers = []
+    for i, lp in enumerate(params["layers"]):
+        if "wqkv_t" not in lp:
+            raise QuantizationError("quantize_params needs the inference layout: call llama.fuse_projections first")
+        layers.append({key: (quant(v, f"layers[{i}].{key}") if key in QUANTIZED_KEYS and not is_quantized(v)
+                             else v) for key, v in lp.items()})
+    out = {**params, "layers": layers}
+    if lm_head and "lm_head_q" not in params:
+        rows = params["lm_head"].T if "lm_head" in params else params["embed"]
+        out["lm_head_q"] = quant(rows, "lm_head")
+    return out
+
+
+def weight_bytes(params) -> int:
+    """Bytes of every array in a params tree (quantized weights by their codes and scales)."""
+    return int(sum(a.size * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(params)))
+
+
+def step_weight_bytes(params) -> int:
+    """Bytes a one-token decode step reads from the weights: everything except the embedding table, of which it
+    gathers one row (but the tied embedding is the LM head when there is no lm_head / lm_head_q)."""
+    total = weight_bytes(params)
+    if "lm_head" in params or "lm_head_q" in params:
+        total -= weight_bytes(params["embed"])
+    return total
+
+
+__all__ = [
+    "BLOCK", "DEFAULT_GROUP_SIZE", "ENV_MODE", "GGUF_NATIVE", "KINDS", "QUANTIZATIONS", "QUANTIZED_KEYS",
+    "QuantWeight", "QuantizationError", "check_quantization", "concat_rows", "dequantize", "from_gguf_blocks",
+    "is_quantized", "linear", "mode", "pack_nibbles", "quant_matmul", "quantize_int4", "quantize_int8",
+    "quantize_params", "step_weight_bytes", "take_rows", "unpack_nibbles", "use_kernel", "weight_bytes",
+]

@@ -1,0 +1,243 @@
+"""Quantized targets (specjax.models.quant): quantize / dequantize bounds, GGUF block formats against the gguf
+package's own dequantizer, the CPU kernel against the XLA path, one summation order for any number of rows, and
+greedy speculation equal to plain greedy decoding of the same quantized target (ngram, draft model, EAGLE)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.kernels import cpu_build
+from specjax.models import quant
+from specjax.models.llama import forward, fuse_projections
+from specjax.kv_cache import init_cache
+
+from spec_helpers import make_sampling, outputs, run_plain, run_spec, tiny_buckets, tiny_config, tiny_params
+
+V = 96
+needs_kernel = pytest.mark.skipif(not cpu_build.available(), reason="no C++ compiler for the CPU kernels")
+
+
+def _weights(n=48, k=128, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
+
+
+# ------------------------------------------------------------------------------------ quantize / dequantize
+
+
+def test_int8_error_bound_per_row():
+    w = _weights()
+    q = quant.quantize_int8(w)
+    assert q.codes.dtype == jnp.int8 and q.scale.shape == (48, 1) and q.shape == w.shape
+    err = np.abs(np.asarray(quant.dequantize(q)) - w)
+    bound = np.abs(w).max(axis=1, keepdims=True) / 254 * (1 + 1e-5)
+    assert (err <= bound).all()
+    assert err.max() > 0  # it did quantize
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_error_bound_per_group(group):
+    w = _weights()
+    q = quant.quantize_int4(w, group)
+    assert q.codes.shape == (48, 64) and q.scale.shape == (48, 128 // group) and q.minimum is not None
+    err = np.abs(np.asarray(quant.dequantize(q)) - w).reshape(48, -1, group)
+    g = w.reshape(48, -1, group)
+    bound = (g.max(axis=2) - g.min(axis=2))[..., None] / 30 * (1 + 1e-4) + 1e-7
+    assert (err <= bound).all()
+
+
+def test_nibble_packing_round_trip():
+    nib = np.random.default_rng(1).integers(0, 16, (5, 64)).astype(np.uint8)
+    packed = quant.pack_nibbles(nib)
+    assert packed.shape == (5, 32)
+    assert packed[0, 0] == nib[0, 0] | (nib[0, 16] << 4)  # GGUF order: value j and j + 16 share byte j
+    np.testing.assert_array_equal(np.asarray(quant.unpack_nibbles(jnp.asarray(packed))), nib)
+
+
+@pytest.mark.parametrize("group, match", [(48, "multiple of 32"), (96, "does not divide the input dimension 128"),
+                                          (0, "multiple of 32"), (True, "multiple of 32")])
+def test_int4_bad_group_size(group, match):
+    with pytest.raises(quant.QuantizationError, match=match):
+        quant.quantize_int4(_weights(), group)
+
+
+def test_unknown_settings_name_the_supported_ones():
+    with pytest.raises(quant.QuantizationError, match="'int8', 'int4', 'gguf'"):
+        quant.check_quantization("fp8")
+    with pytest.raises(quant.QuantizationError, match="Q8_0, Q4_0, Q4_1"):
+        quant.from_gguf_blocks(np.zeros(10, np.uint8), "Q6_K", (1, 256))
+    with pytest.raises(quant.QuantizationError, match="fuse_projections"):
+        quant.quantize_params(tiny_params(tiny_config(V), 0), "int8")
+    with pytest.raises(quant.QuantizationError, match="'gguf' keeps"):
+        quant.quantize_params(fuse_projections(tiny_params(tiny_config(V), 0)), "gguf")
+
+
+# ------------------------------------------------------------------------------------ GGUF blocks
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_match_the_gguf_dequantizer(type_name):
+    from gguf import GGMLQuantizationType, quants
+
+    qt = GGMLQuantizationType[type_name]
+    w = _weights(8, 96, seed=3)
+    raw = quants.quantize(w, qt)  # [8, bytes per row]
+    ref = np.asarray(quants.dequantize(raw, qt), np.float32)
+    q = quant.from_gguf_blocks(raw.reshape(-1), type_name, (8, 96))
+    assert q.kind == type_name.lower() and q.scale.dtype == jnp.float16
+    assert q.nbytes == raw.size  # kept as stored: the same bytes, split into codes and scales
+    np.testing.assert_allclose(np.asarray(quant.dequantize(q)), ref, rtol=1e-6, atol=1e-7)
+    with pytest.raises(quant.QuantizationError, match="do not hold"):
+        quant.from_gguf_blocks(raw.reshape(-1)[:-1], type_name, (8, 96))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_rows_permute_and_fuse(type_name):
+    from gguf import GGMLQuantizationType, quants
+
+    qt = GGMLQuantizationType[type_name]
+    a, b = _weights(8, 64, seed=4), _weights(4, 64, seed=5)
+    qa = quant.from_gguf_blocks(quants.quantize(a, qt).reshape(-1), type_name, (8, 64))
+    qb = quant.from_gguf_blocks(quants.quantize(b, qt).reshape(-1), type_name, (4, 64))
+    order = np.array([1, 0, 3, 2, 5, 4, 7, 6])
+    fused = quant.concat_rows([quant.take_rows(qa, order), qb])
+    want = np.concatenate([np.asarray(quant.dequantize(qa))[order], np.asarray(quant.dequantize(qb))])
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(fused)), want)
+
+
+# ------------------------------------------------------------------------------------ the product
+
+
+def _all_kinds():
+    from gguf import GGMLQuantizationType, quants
+
+    w = _weights(70, 192, seed=6)
+    out = {"int8": quant.quantize_int8(w), "int4": quant.quantize_int4(w, 64)}
+    for t in ("Q8_0", "Q4_0", "Q4_1"):
+        raw = quants.quantize(w, GGMLQuantizationType[t])
+        out[t.lower()] = quant.from_gguf_blocks(raw.reshape(-1), t, w.shape)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int8", "int4", "q8_0", "q4_0", "q4_1"])
+def test_kernel_matches_dequantized_product_and_is_row_invariant(kind):
+    w = _all_kinds()[kind]
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((13, 192)), jnp.float32)
+    ref = np.asarray(x, np.float64) @ np.asarray(quant.dequantize(w), np.float64).T
+    y = jax.jit(quant.quant_matmul)(x, w)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
+    # One summation order whatever the number of rows: what keeps a verify block equal to plain steps.
+    rows = jnp.concatenate([jax.jit(quant.quant_matmul)(x[i:i + 1], w) for i in range(13)])
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(y))
+    # The XLA path computes the same function (other summation order).
+    xla = jax.jit(lambda a, b: quant.linear(a, b, allow_kernel=False))(x, w)
+    np.testing.assert_allclose(np.asarray(xla), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_float_weights_keep_the_old_path():
+    from specjax.kernels import cpu_matmul
+
+    w = jnp.asarray(_weights(16, 64))
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((3, 64)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(quant.linear)(x, w)),
+                                  np.asarray(jax.jit(cpu_matmul.matmul_t)(x, w)))
+
+
+# ------------------------------------------------------------------------------------ the model
+
+
+def _target(quantization: str, group: int = 32, lm_head: bool = False):
+    cfg = tiny_config(V)
+    params = fuse_projections(tiny_params(cfg, seed=1))
+    return cfg, params, quant.quantize_params(params, quantization, group_size=group, lm_head=lm_head)
+
+
+@pytest.mark.parametrize("quantization, lm_head", [("int8", False), ("int4", True)])
+def test_quantized_forward_close_to_float(quantization, lm_head):
+    cfg, params, qparams = _target(quantization, lm_head=lm_head)
+    assert ("lm_head_q" in qparams) == lm_head
+    assert quant.weight_bytes(qparams) < quant.weight_bytes(params)
+    toks = jnp.asarray([[3, 9, 27, 81, 50, 11]], jnp.int32)
+    pos = jnp.arange(6)[None]
+    cache = init_cache(cfg.num_layers, 1, 8, cfg.num_kv_heads, cfg.head_dim)
+    f = jax.jit(lambda p: forward(p, cfg, toks, pos, cache).logits)
+    ref, got = np.asarray(f(params)), np.asarray(f(qparams))
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    # int4 on these sharp N(0, 0.3^2) weights moves every product by about 20% of its size: a loose bound.
+    assert 0 < rel < (0.05 if quantization == "int8" else 0.6)
+
+
+def _drafter(name: str, cfg, float_params):
+    from specjax.drafters.draft_model import DraftModelDrafter
+    from specjax.drafters.ngram import NgramDrafter
+
+    if name == "ngram":
+        return NgramDrafter(3, 1, 2), {}
+    if name == "draft_model":
+        dcfg = tiny_config(V, num_layers=1)
+        return DraftModelDrafter(dcfg, 3, V), {"params": fuse_projections(tiny_params(dcfg, seed=2))}
+    from specjax.drafters.eagle import EagleDrafter
+    from specjax.heads.eagle import head_config, init_from_target
+
+    hc = head_config(cfg, "eagle")
+    # From the canonical float target: heads stay float, whatever the target they serve is quantized to.
+    head = init_from_target(hc, tiny_params(cfg, seed=1), -1)
+    return EagleDrafter(hc, top_k=3, depth=2, total_tokens=6), {"head": head, "embed": float_params["embed"],
+                                                                 "lm_head": float_params["lm_head"]}
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+def test_greedy_speculation_equals_plain_of_the_same_quantized_target(quantization, method):
+    cfg, params, qparams = _target(quantization)
+    prompts = [[3, 9, 27, 81, 50, 11, 3, 9, 27], [7, 7, 8]]
+    buckets = tiny_buckets(2, max_new=20)
+    sampling = make_sampling(2, max_new=20)
+    plain, _ = outputs(run_plain(qparams, cfg, buckets, prompts, sampling))
+    float_plain, _ = outputs(run_plain(params, cfg, buckets, prompts, sampling))
+    drafter, dparams = _drafter(method, cfg, params)
+    state = run_spec(qparams, cfg, dparams, drafter, buckets, prompts, sampling)
+    spec, _ = outputs(state.dec)
+    assert spec == plain
+    assert int(np.asarray(state.stats.verify_steps).sum()) > 0
+    assert len(plain[0]) == 20 and float_plain != [[]]
+
+
+# ------------------------------------------------------------------------------------ the real model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int8", "gguf"])
+def test_real_model_ngram_greedy_equals_plain(quantization):
+    from specjax.api import LLM
+    from specjax.config import SamplingParams
+
+    llm = LLM(quantization=quantization)
+    assert llm.quantization == quantization
+    prompts = ["Write a short poem about the sea.", "List three uses of a paperclip.",
+               "Explain what a hash table is, then explain it again in one sentence."]
+    sp = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, chat=True)]
+    spec = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, sp, {"method": "ngram", "num_speculative_tokens": 4}, chat=True)]
+    assert plain == spec
+    assert all(len(t) == 32 for t in plain)
+
+
+@pytest.mark.slow
+def test_real_model_gguf_native_matches_dequantized_float32():
+    from specjax.models.loading import load_model
+
+    ref = load_model(with_tokenizer=False)
+    native = load_model(with_tokenizer=False, quantization="gguf")
+    kinds = {lp["wqkv_t"].kind for lp in native.params["layers"]}
+    assert kinds == {"q4_1"}
+    c = ref.config
+    toks = jnp.asarray([[1, 504, 3458, 282, 4260, 314, 260, 1345]], jnp.int32)
+    pos = jnp.arange(8)[None]
+    cache = init_cache(c.num_layers, 1, 16, c.num_kv_heads, c.head_dim)
+    f = jax.jit(lambda p: forward(p, c, toks, pos, cache).logits)
+    a, b = np.asarray(f(fuse_projections(ref.params))), np.asarray(f(native.params))
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-3)
