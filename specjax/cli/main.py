@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     from specjax.cli.batch import add_arguments as batch_arguments
 
     batch_arguments(bt)
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, speculative decoding)")
+    from specjax.cli.serve import add_arguments as serve_arguments
+
+    serve_arguments(sv)
     cp = sub.add_parser("compare", help="one config on several backends/devices or methods, greedy outputs cross-checked")
     from specjax.cli.compare import add_arguments as compare_arguments
 
@@ -195,6 +199,12 @@ def cmd_batch(args) -> int:
     return run(args)
 
 
+def cmd_serve(args) -> int:
+    from specjax.cli.serve import run
+
+    return run(args)
+
+
 def cmd_compare(args) -> int:
     from specjax.cli.compare import run
 
@@ -242,7 +252,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "tune": cmd_tune, "compare": cmd_compare,
-                "batch": cmd_batch, "train-head": cmd_train_head,
+                "batch": cmd_batch, "serve": cmd_serve, "train-head": cmd_train_head,
                 "configs": cmd_configs}[args.command](args)
     except user_errors() as e:
         print(f"specjax: error: {e}", file=sys.stderr)

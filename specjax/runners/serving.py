@@ -1,0 +1,649 @@
+"""The serving engine behind `specjax serve`: one thread owns the device and runs a fixed-size batch that requests
+join and leave at step-chunk boundaries (continuous batching), with the batch scheduler's programs
+(`runners.batch.programs`: prefill at batch 1, `insert_row` into a free slot, `until_free` for a few steps).
+
+Every shape is fixed for the engine's life (prompt bucket from `EngineOptions.max_prompt_tokens`, output bucket
+from `max_tokens`, B = `max_batch`, stop-id slots), so the programs compile once, at `start` (warm-up), and never
+again whatever the mix of requests. Each request has its own temperature, top_p, top_k, seed, max_tokens, stop
+strings and stop token ids (`SamplingParams`, n = 1); the engine has one speculative config.
+
+Threads: `submit` / `cancel` / `drain` may be called from any thread (the HTTP layer's event loop); they touch
+only a lock-guarded queue. The engine thread does all JAX work and reports to each request through its
+`on_event(event)` callback (called on the engine thread: `Delta`, then exactly one `Finished` or `Failed`). After
+each chunk of steps it reads the output of every running slot, turns new tokens into text (one incremental
+detokenizer per slot) and holds back what could still become a stop string (`requests.StopStream`). A slot is
+freed when its row finishes on the device, a stop string completes (the row is marked finished on the device,
+`release_rows`), its request is cancelled, or its callback raises.
+
+Trouble stays local: a request whose prefill or host-side processing fails gets `Failed` and its slot is freed;
+a failure of a batch-wide program fails the requests running in it, and the engine starts over from an empty
+batch. The waiting queue is bounded (`QueueFullError`), and `drain` stops new submissions, lets what was
+admitted run until a deadline, then cancels the rest.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+import traceback
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import SamplingParams, SpeculativeConfig
+from specjax.engine import FINISH_LENGTH, FINISH_RUNNING
+from specjax.errors import SpecjaxError
+from specjax.requests import (CompletionOutput, RequestError, StopStream, check_request, finish_completion,
+                              finish_name, fresh_seed, pad_prompts, sampling_arrays, spec_metrics, stop_ids)
+
+
+class QueueFullError(SpecjaxError, RuntimeError):
+    """The waiting queue is full; the client should retry later (HTTP 429)."""
+
+
+class EngineStoppedError(SpecjaxError, RuntimeError):
+    """The engine is draining, stopped or failed and takes no new requests (HTTP 503)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Fixed for the engine's life.
+
+    max_batch: slots decoded together (B). max_prompt_tokens: longest prompt (tokens) a request may have (the
+    prompt bucket is this rounded up). max_tokens: the most new tokens a request may ask for (output bucket).
+    max_queue: requests waiting for a slot at most; more are refused (`QueueFullError`). step_chunk: decode
+    steps (plain, or speculative: verify or backed-off plain) between host check-ins at most: streams get text
+    and new requests join this often. max_stop_ids: stop token ids per request, the tokenizer's end tokens
+    included.
+    """
+
+    max_batch: int = 16
+    max_prompt_tokens: int = 1024
+    max_tokens: int = 256
+    max_queue: int = 64
+    step_chunk: int = 4
+    max_stop_ids: int = 8
+
+    def __post_init__(self):
+        for name, low in (("max_batch", 1), ("max_prompt_tokens", 1), ("max_tokens", 1), ("max_queue", 0),
+                          ("step_chunk", 1), ("max_stop_ids", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise RequestError(f"invalid {name}={value!r}: must be an integer >= {low}")
+
+
+# ----------------------------------------------------------------------------------------------------- events
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """New text of a request's output (pieces join to `Finished.result.text`)."""
+
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """A finished request. finish_reason "stop" (end token, stop id or stop string) or "length"; stop_reason the
+    stop string or own stop token id that ended it. spec: the speculative metrics of `requests.spec_metrics`
+    (None without speculation). Times in seconds from submission: queue_time until its prefill started,
+    time_to_first_token until its first token was read, e2e_latency until it finished."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: int | str | None
+    prompt_tokens: int
+    completion_tokens: int
+    seed: int | None
+    spec: dict | None
+    queue_time: float
+    time_to_first_token: float
+    e2e_latency: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    result: Result
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The request ended without a result. reason: "cancelled" (by the client), "shutdown" (the engine's
+    deadline passed) or "error" (its generation failed; message says how)."""
+
+    reason: str
+    message: str
+
+
+Event = Delta | Finished | Failed
+
+
+class EngineObserver:
+    """Hooks the engine calls on its own thread (metrics); the defaults do nothing."""
+
+    def first_token(self, seconds: float) -> None:
+        """A request's first token was read, `seconds` after it was submitted."""
+
+    def finished(self, result: Result) -> None:
+        """A request finished with a result."""
+
+    def failed(self, reason: str) -> None:
+        """A request ended without a result (`Failed.reason`)."""
+
+
+class Handle:
+    """One submitted request (returned by `submit`; pass it to `cancel`)."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                 on_event: Callable[[Event], None]):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.on_event = on_event
+        self.arrival = time.perf_counter()
+        self.admitted: float | None = None
+        self.first: float | None = None
+        self.done = False
+        # Per-slot host state while running: tokens read so far, incremental detokenizer, stop-string hold-back.
+        self.seen = 0
+        self.decoder = None
+        self.stops = StopStream(sampling.stop)
+
+
+# ----------------------------------------------------------------------------------------------------- device
+
+
+@jax.jit
+def release_rows(finish, mask):
+    """finish [B] int32 FINISH_* with the running rows where mask [B] bool is set marked FINISH_LENGTH: they take
+    no more tokens, and the batch loop (`until_free`) no longer counts them, so their slots can be refilled. A
+    freed row's cache is left as it is: `insert_row` overwrites the whole row."""
+    return jnp.where(mask & (finish == FINISH_RUNNING), jnp.int32(FINISH_LENGTH), finish)
+
+
+# ----------------------------------------------------------------------------------------------------- engine
+
+
+class ServingEngine:
+    """Continuous batching for a server. llm: a specjax.api.LLM (or an object with its attributes);
+    speculative: None (plain decoding) or a SpeculativeConfig / dict with a device drafter (ngram, draft_model,
+    medusa, eagle, eagle3); observer: metric hooks (`EngineObserver`).
+
+        engine = ServingEngine(llm, {"method": "ngram"}, EngineOptions(max_batch=8)).start()
+        handle = engine.submit(ids, SamplingParams(max_tokens=32), on_event)
+        result = engine.generate(ids, SamplingParams(max_tokens=32))      # blocking
+        engine.shutdown(deadline=10.0)
+    """
+
+    def __init__(self, llm, speculative: SpeculativeConfig | dict | None = None,
+                 options: EngineOptions | None = None, observer: EngineObserver | None = None):
+        from specjax.backoff import adaptive_rule
+        from specjax.buckets import make_buckets
+        from specjax.runners.batch import programs
+        from specjax.runners.speculative import drafter_for
+
+        self.llm = llm
+        self.options = options or EngineOptions()
+        self.observer = observer or EngineObserver()
+        self.spec = SpeculativeConfig.from_user(speculative)
+        drafter = dparams = adaptive = None
+        extra = 0
+        if self.spec.enabled:
+            drafter, dparams = drafter_for(llm, self.spec)
+            if getattr(drafter, "host_side", False):
+                raise RequestError(f"speculative method {self.spec.method!r} drafts on the host and cannot run in "
+                                   "the serving batch loop; use ngram, draft_model, medusa, eagle or eagle3")
+            adaptive = adaptive_rule(drafter, self.spec)
+            extra = drafter.tree.num_nodes
+        self.extra_slots = extra
+        o = self.options
+        need = o.max_prompt_tokens + o.max_tokens + extra
+        if need > llm.max_context:
+            raise RequestError(f"max_prompt_tokens {o.max_prompt_tokens} + max_tokens {o.max_tokens}"
+                               + (f" + {extra} speculative slots" if extra else "")
+                               + f" = {need} exceeds the model's context of {llm.max_context}; lower one of them")
+        buckets = make_buckets(1, o.max_prompt_tokens, o.max_tokens, extra_slots=extra, num_stop=o.max_stop_ids)
+        self.progs = programs(llm, buckets, o.max_batch, drafter, dparams, adaptive)
+        self.batch = self.progs.bB.batch
+        self._filler = SamplingParams(max_new_tokens=1, seed=0)  # sampling values of free slots (never read)
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[Handle] = collections.deque()
+        self._cancel: set[Handle] = set()
+        self._slots: list[Handle | None] = [None] * self.batch
+        self._accepting = True
+        self._deadline: float | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.failure: str | None = None  # why the engine stopped, when it failed
+        self.compiles = 0  # XLA compilations in this process since `start` (flat after warm-up)
+        self.warmup_seconds: float | None = None
+
+    # ------------------------------------------------------------------------------------------- public API
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus output a request may have."""
+        return self.options.max_prompt_tokens + self.options.max_tokens
+
+    @property
+    def num_running(self) -> int:
+        with self._lock:
+            return sum(h is not None for h in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs and takes requests."""
+        return self._thread is not None and self._thread.is_alive() and self._accepting and self.failure is None
+
+    def check(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> SamplingParams:
+        """Raise RequestError unless the request fits this engine (prompt and output buckets, context, stop-id
+        slots, supported options); returns its SamplingParams with the seed fixed (a fresh one for a sampled
+        request without seed, so that the request keeps it while others join and leave the batch)."""
+        o = self.options
+        if sampling.n != 1:
+            raise RequestError(f"n={sampling.n} is not supported by the server; send n separate requests")
+        if sampling.logprobs is not None:
+            raise RequestError("logprobs are not supported by the server yet; leave logprobs unset")
+        if len(prompt_ids) > o.max_prompt_tokens:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens, more than this server's limit of "
+                               f"{o.max_prompt_tokens} (--max-prompt-tokens); shorten it")
+        if sampling.max_new_tokens > o.max_tokens:
+            raise RequestError(f"max_tokens={sampling.max_new_tokens} exceeds this server's limit of {o.max_tokens} "
+                               "(--max-tokens); ask for fewer tokens")
+        if not prompt_ids:
+            raise RequestError("the prompt is empty (no tokens); send some text")
+        check_request("of the request", list(prompt_ids), sampling, self.extra_slots, self.llm.max_context)
+        n_stop = len(stop_ids(self.tokenizer, sampling))
+        if n_stop > self.progs.bB.num_stop:
+            raise RequestError(f"stop_token_ids: {n_stop} stop ids (the model's end tokens included) do not fit "
+                               f"the server's {self.progs.bB.num_stop}; give fewer")
+        if sampling.seed is None and not sampling.is_greedy:
+            sampling = dataclasses.replace(sampling, seed=fresh_seed())
+        return sampling
+
+    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, on_event: Callable[[Event], None],
+               request_id: str | None = None) -> Handle:
+        """Queue a request (any thread). on_event(event) is called on the engine thread: `Delta`s, then one
+        `Finished` or `Failed`; an exception it raises cancels the request. Raises RequestError (bad request),
+        QueueFullError or EngineStoppedError; nothing is queued then."""
+        ids = [int(t) for t in prompt_ids]
+        sampling = self.check(ids, sampling)
+        with self._lock:
+            if not self._accepting or self._stop or self.failure is not None:
+                raise EngineStoppedError("the server is shutting down and takes no new requests"
+                                         if self.failure is None else f"the engine failed: {self.failure}")
+            if len(self._waiting) >= self.options.max_queue:
+                raise QueueFullError(f"the server is busy: {len(self._waiting)} requests are already waiting "
+                                     f"(--max-queue {self.options.max_queue}); retry later")
+            handle = Handle(request_id or f"req-{next(self._ids)}", ids, sampling, on_event)
+            self._waiting.append(handle)
+            self._lock.notify_all()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """Cancel a request (any thread): it is dropped from the queue or its slot is freed at the next step-chunk
+        boundary, and it gets Failed("cancelled"). Nothing happens for a request that already ended."""
+        with self._lock:
+            if not handle.done:
+                self._cancel.add(handle)
+                self._lock.notify_all()
+
+    def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, timeout: float | None = None
+                 ) -> tuple[Result, list[str]]:
+        """Submit and wait: (result, the streamed text pieces). Raises RuntimeError when the request failed."""
+        done = threading.Event()
+        pieces: list[str] = []
+        end: list[Event] = []
+
+        def on_event(ev: Event) -> None:
+            if isinstance(ev, Delta):
+                pieces.append(ev.text)
+            else:
+                end.append(ev)
+                done.set()
+
+        handle = self.submit(prompt_ids, sampling, on_event)
+        if not done.wait(timeout):
+            self.cancel(handle)
+            raise TimeoutError(f"request {handle.request_id} did not finish within {timeout} s")
+        if isinstance(end[0], Failed):
+            raise RuntimeError(f"request {handle.request_id} failed ({end[0].reason}): {end[0].message}")
+        return end[0].result, pieces
+
+    def start(self, warmup: bool = True) -> "ServingEngine":
+        """Start the engine thread; with `warmup`, compile every program first (returns once they are
+        compiled). Raises whatever the warm-up raised."""
+        if self._thread is not None:
+            raise RuntimeError("the engine was already started")
+        jax.monitoring.register_event_duration_secs_listener(self._count_compile)
+        ready = threading.Event()
+        error: list[BaseException] = []
+
+        def main():
+            try:
+                self._state = self._empty()
+                if warmup:
+                    t = time.perf_counter()
+                    self._warmup()
+                    self.warmup_seconds = time.perf_counter() - t
+            except BaseException as e:  # reported to start()'s caller
+                error.append(e)
+                self.failure = f"warm-up failed: {e}"
+                ready.set()
+                return
+            ready.set()
+            self._run()
+
+        self._thread = threading.Thread(target=main, name="specjax-engine", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if error:
+            raise error[0]
+        return self
+
+    def drain(self, deadline: float | None = None) -> None:
+        """Take no new requests; those already submitted run on. With `deadline` (seconds from now), whatever
+        has not finished by then is cancelled with Failed("shutdown")."""
+        with self._lock:
+            self._accepting = False
+            if deadline is not None:
+                at = time.perf_counter() + deadline
+                self._deadline = at if self._deadline is None else min(self._deadline, at)
+            self._lock.notify_all()
+
+    def shutdown(self, deadline: float = 0.0) -> bool:
+        """`drain(deadline)`, wait for every request to end, stop the engine thread. Returns whether every request
+        finished by itself (none was ever cancelled at a drain deadline)."""
+        self.drain(deadline)
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        else:  # never started: fail what waits
+            self._fail_waiting("shutdown", "the server shut down before the request could run")
+        try:
+            jax.monitoring.unregister_event_duration_listener(self._count_compile)
+        except (AssertionError, ValueError, AttributeError):  # not registered (never started)
+            pass
+        return self._shutdown_cancels == 0
+
+    _shutdown_cancels = 0  # requests cancelled at a drain deadline
+
+    # ------------------------------------------------------------------------------------------- engine thread
+
+    def _count_compile(self, event: str, duration: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.compiles += 1
+
+    def _sampling(self) -> object:
+        """The [B] sampling arrays of the slots (free slots repeat the filler's values)."""
+        params = [self._filler if h is None else h.sampling for h in self._slots]
+        prompts = [[0] if h is None else h.prompt_ids for h in self._slots]
+        # Every optional array is always there (min_p, min_tokens, penalties; neutral values are exact no-ops), so
+        # requests that use them join the running batch without a new program.
+        return sampling_arrays(self.tokenizer, params, self.batch, self.progs.bB.num_stop, prompts,
+                               self.llm.config.vocab_size, all_options=True)
+
+    def _empty(self):
+        self._slot_sampling = self._sampling()
+        return self.progs.empty(self._slot_sampling)
+
+    def _warmup(self) -> None:
+        """Run every program once on a dummy request, so that none compiles while serving."""
+        P = self.progs.bB.prompt_len
+        ids = [1] * min(8, P)
+        sp = SamplingParams(max_new_tokens=min(2 * self.options.step_chunk + 1, self.options.max_tokens),
+                            ignore_eos=True, seed=0)
+        row = self._prefill(ids, sp)
+        self._state = self.progs.insert(self._state, row, 0)
+        self._state = self.progs.advance(self._state, self._slot_sampling, self.options.step_chunk)
+        self._read()
+        self._release(np.ones(self.batch, bool))
+        self._read()
+        if self.progs.drafter is not None:
+            jax.device_get(self._state.stats)
+
+    def _prefill(self, ids: list[int], sp: SamplingParams):
+        tokens, lens, active = pad_prompts([ids], 1, self.progs.bB.prompt_len)
+        return self.progs.prefill(tokens, lens, active, sampling_arrays(self.tokenizer, [sp], 1,
+                                                                        self.progs.bB.num_stop, [ids],
+                                                                        self.llm.config.vocab_size, all_options=True))
+
+    def _read(self):
+        """(out_tokens [B, max_new], num_new [B], finish [B]) on the host (waits for the device)."""
+        dec = self.progs.variant.dec(self._state)
+        return tuple(np.asarray(a) for a in jax.device_get((dec.out_tokens, dec.num_new, dec.finish)))
+
+    def _release(self, mask: np.ndarray) -> None:
+        """Mark the rows of mask [B] finished on the device (`release_rows`)."""
+        v = self.progs.variant
+        dec = v.dec(self._state)
+        with v.tracing():
+            finish = release_rows(dec.finish, jnp.asarray(mask))
+        self._state = v.with_dec(self._state, dec._replace(finish=finish))
+
+    def _emit(self, h: Handle, event: Event) -> bool:
+        """Hand an event to its request; False when the callback raised (the caller then cancels it)."""
+        try:
+            h.on_event(event)
+            return True
+        except Exception:
+            return False
+
+    def _end(self, h: Handle, event: Finished | Failed) -> None:
+        """A request's last event, once."""
+        if h.done:
+            return
+        h.done = True
+        self._emit(h, event)
+        if isinstance(event, Finished):
+            self.observer.finished(event.result)
+        else:
+            self.observer.failed(event.reason)
+
+    def _fail_waiting(self, reason: str, message: str) -> None:
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for h in waiting:
+            self._end(h, Failed(reason, message))
+
+    def _run(self) -> None:
+        """Serve until stopped; a batch-wide failure fails the requests running in it and serving starts over
+        from an empty batch (`_recover`)."""
+        while True:
+            try:
+                self._serve()
+                return
+            except Exception as e:
+                self._recover(e)
+                if self.failure is not None:
+                    self._cancel_all("error", f"the engine failed: {self.failure}")
+                    return
+
+    def _serve(self) -> None:
+        """The engine loop: cancellations, admissions, a chunk of steps, read and stream, finish; until stopped."""
+        read = None  # the last host copy of the outputs, None when no slot is taken
+        while True:
+            with self._lock:
+                while not (self._stop or self._waiting or self._cancel or any(h is not None for h in self._slots)):
+                    self._lock.wait()
+                cancels, self._cancel = self._cancel, set()
+                past_deadline = self._deadline is not None and time.perf_counter() >= self._deadline
+                idle = not self._waiting and all(h is None for h in self._slots)
+                stop_now = self._stop and (idle or past_deadline)
+                gone = [h for h in self._waiting if h in cancels]
+                for h in gone:
+                    self._waiting.remove(h)
+                if past_deadline:
+                    self._deadline = None
+            for h in gone:
+                self._end(h, Failed("cancelled", "the request was cancelled"))
+            if past_deadline:
+                self._cancel_all("shutdown", "the server shut down before the request finished")
+                read = None
+            if stop_now:
+                return
+            free = np.zeros(self.batch, bool)
+            for s, h in enumerate(self._slots):
+                if h is not None and h in cancels:
+                    free[s] = True
+                    self._vacate(s, Failed("cancelled", "the request was cancelled"))
+            if free.any():
+                self._release(free)
+            admitted = self._admit()
+            if not any(h is not None for h in self._slots):
+                read = None
+                continue
+            if admitted or read is None:
+                read = self._read()
+            if np.any(read[2] == FINISH_RUNNING):
+                self._state = self.progs.advance(self._state, self._slot_sampling, self.options.step_chunk)
+            read = self._read()
+            self._collect(read)
+
+    def _admit(self) -> bool:
+        """Prefill waiting requests into free slots (each alone, at batch 1), streaming each one's first token
+        as it joins. Returns whether any joined."""
+        joined = False
+        for s in range(self.batch):
+            if self._slots[s] is not None:
+                continue
+            with self._lock:
+                if not self._waiting:
+                    break
+                h = self._waiting.popleft()
+            h.admitted = time.perf_counter()
+            try:
+                row = self._prefill(h.prompt_ids, h.sampling)
+                jax.block_until_ready(row)
+            except Exception as e:  # this request's prefill failed: only it fails
+                self._end(h, Failed("error", f"generation failed: {_describe(e)}"))
+                continue
+            from specjax.models.tokenizer import IncrementalDecoder
+
+            h.decoder = IncrementalDecoder(self.tokenizer)
+            self._state = self.progs.insert(self._state, row, s)
+            with self._lock:
+                self._slots[s] = h
+            joined = True
+            # Its first token goes out now, not after every other admission's prefill (TTFT under a burst).
+            self._collect(self._read())
+        if joined:
+            self._slot_sampling = self._sampling()
+        return joined
+
+    def _vacate(self, s: int, event: Finished | Failed) -> None:
+        h = self._slots[s]
+        with self._lock:
+            self._slots[s] = None
+        self._end(h, event)
+
+    def _collect(self, read) -> None:
+        """Stream each running slot's new text; finish the slots whose row ended or whose stop string completed."""
+        toks, num, finish = read
+        release = np.zeros(self.batch, bool)
+        stats = None
+        now = time.perf_counter()
+        for s, h in enumerate(self._slots):
+            if h is None:
+                continue
+            try:
+                n = int(num[s])
+                if h.first is None and n > 0:
+                    h.first = now
+                    self.observer.first_token(now - h.arrival)
+                piece = "".join(h.decoder.push(int(t)) for t in toks[s, h.seen:n])
+                h.seen = n
+                shown = h.stops.push(piece) if piece else ""
+                if shown and not self._emit(h, Delta(shown)):
+                    release[s] = True
+                    self._vacate(s, Failed("cancelled", "the request's receiver failed"))
+                    continue
+                ended = finish[s] != FINISH_RUNNING
+                if not (ended or h.stops.stopped):
+                    continue
+                if self.progs.drafter is not None and stats is None:
+                    stats = jax.device_get(self._state.stats)
+                result = self._result(h, toks[s, :n].tolist(), int(finish[s]), stats, s, now)
+                rest = h.stops.close(result.text)
+                if rest and not self._emit(h, Delta(rest)):
+                    release[s] = True
+                    self._vacate(s, Failed("cancelled", "the request's receiver failed"))
+                    continue
+                if not ended:
+                    release[s] = True  # a stop string ended it before the device did
+                self._vacate(s, Finished(result))
+            except Exception as e:  # this request's host-side processing failed: only it fails
+                release[s] = finish[s] == FINISH_RUNNING
+                self._vacate(s, Failed("error", f"generation failed: {_describe(e)}"))
+        if release.any():
+            self._release(release)
+
+    def _result(self, h: Handle, ids: list[int], finish: int, stats, s: int, now: float) -> Result:
+        sp = h.sampling
+        comp = CompletionOutput(0, self.tokenizer.decode(ids), ids, None, None, finish_name(finish), None, sp.seed)
+        comp = finish_completion(self.tokenizer, comp, sp)
+        spec = None if stats is None else spec_metrics(stats, s, None, None, self.spec.is_lossy)
+        if spec is not None:
+            for k in ("draft_time", "verify_time"):
+                spec.pop(k)
+        return Result(h.request_id, comp.text, list(comp.token_ids), comp.finish_reason, comp.stop_reason,
+                      len(h.prompt_ids), len(comp.token_ids), sp.seed, spec, h.admitted - h.arrival,
+                      (h.first or now) - h.arrival, now - h.arrival)
+
+    def _cancel_all(self, reason: str, message: str) -> None:
+        """End every running and waiting request with Failed(reason) and free their slots."""
+        mask = np.array([h is not None for h in self._slots])
+        for s, h in enumerate(self._slots):
+            if h is not None:
+                if reason == "shutdown":
+                    self._shutdown_cancels += 1
+                self._vacate(s, Failed(reason, message))
+        if reason == "shutdown":
+            with self._lock:
+                self._shutdown_cancels += len(self._waiting)
+        self._fail_waiting(reason, message)
+        if mask.any() and self.failure is None:
+            try:
+                self._release(mask)
+            except Exception as e:
+                self._recover(e)
+
+    def _recover(self, error: Exception) -> None:
+        """A batch-wide step failed: fail the running requests and start from an empty batch; when even that
+        fails, the engine stops (`failure`) and fails everything waiting."""
+        message = f"generation failed: {_describe(error)}"
+        for s, h in enumerate(self._slots):
+            if h is not None:
+                self._vacate(s, Failed("error", message))
+        try:
+            self._state = self._empty()
+        except Exception as e:
+            self.failure = _describe(e)
+            self._fail_waiting("error", f"the engine failed: {self.failure}")
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an exception: its type and message (a SpecjaxError's message alone), last frame for others."""
+    if isinstance(e, SpecjaxError):
+        return str(e)
+    frame = traceback.extract_tb(e.__traceback__)[-1:] if e.__traceback__ else []
+    where = f" (at {frame[0].name})" if frame else ""
+    return f"{type(e).__name__}: {e}{where}"
