@@ -274,13 +274,15 @@ def test_greedy_paths_reduce_max_index_pairs_not_full_logits():
 def test_real_model_greedy_on_meshes_equals_one_device():
     """SmolLM2-135M (9 heads, 3 KV heads, vocabulary 49152) on (1,8), (2,4), (8,1): plain decoding and n-gram,
     draft-model and EAGLE-3 speculation give the single-device greedy tokens, with speculation really verifying."""
-    res = _worker("real", "--meshes", "1x8,2x4,8x1", "--methods", "plain,ngram,draft_model,eagle3")
+    # SPECJAX_MESH_METHODS narrows the methods (CI runs a subset within its time limit); the default is all four.
+    methods = os.environ.get("SPECJAX_MESH_METHODS", "plain,ngram,draft_model,eagle3").split(",")
+    res = _worker("real", "--meshes", "1x8,2x4,8x1", "--methods", ",".join(methods))
     single = res["single"]
-    for method in ("ngram", "draft_model", "eagle3"):
+    for method in methods[1:]:
         assert single[method] == single["plain"], method
         assert single[method + ":verify_steps"] > 0, method
     for label in ("1x8", "2x4", "8x1"):
-        for method in ("plain", "ngram", "draft_model", "eagle3"):
+        for method in methods:
             assert res[label][method] == single[method], (label, method)
 
 
