@@ -17,6 +17,8 @@
 """
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -346,7 +348,10 @@ def test_compile_time_reported_apart_and_zero_when_warm():
     config = tiny_config(40, num_layers=1)
     llm = tiny_llm(config, tiny_params(config, seed=9))
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    t = time.perf_counter()
     first = llm.generate([[1, 2, 3]], sp)[0].metrics
+    wall = time.perf_counter() - t
     again = llm.generate([[4, 5, 6]], sp)[0].metrics
-    assert 0 < first.compile_time <= first.total_time
+    # Within the call's wall time (total_time starts at the prefill; compilation can come before it).
+    assert 0 < first.compile_time <= wall
     assert again.compile_time == 0.0
