@@ -3,7 +3,7 @@ float32 (issue 28).
 
     python benchmarks/quant_decode.py [--settings float32 bfloat16 int8 int4 gguf] [--batches 1 8]
                                       [--new-tokens 64] [--quality-prompts 5] [--quality-tokens 32]
-                                      [--group-size 64] [--json out.json]
+                                      [--group-size 32] [--json out.json]
 
 For each setting: resident weight bytes, bytes a one-token step reads from the weights, the copy bandwidth measured
 in the same run (STREAM convention, `benchmarks/decode.py`) and the roofline it implies, plain greedy tokens/s at
@@ -107,7 +107,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--quality-prompts", type=int, default=5)
     ap.add_argument("--quality-tokens", type=int, default=32)
-    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
