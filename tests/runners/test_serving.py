@@ -9,53 +9,17 @@ from __future__ import annotations
 import threading
 import time
 
-import jax
-import jax.numpy as jnp
 import pytest
 
-from specjax.api import LLM
 from specjax.config import SamplingParams
-from specjax.models.llama import LlamaConfig, init_params
-from specjax.models.tokenizer import TokenizerError
 from specjax.requests import RequestError
 from specjax.runners import serving
-from specjax.runners.runtime import SpecRuntime
 from specjax.runners.serving import (Delta, EngineOptions, EngineStoppedError, Failed, Finished, QueueFullError,
                                      ServingEngine)
 
-EOS = 256
+from serve_helpers import tiny_llm
+
 OPTIONS = EngineOptions(max_batch=3, max_prompt_tokens=16, max_tokens=16, max_queue=8, step_chunk=2)
-
-
-class CharTokenizer:
-    """One printable character per token: ids 0..255 decode to chr(32 + id % 95), characters encode to
-    ord(c) - 32; 256 is the end token. Token-by-token text is exact, so streamed pieces can be compared."""
-
-    stop_token_ids = (EOS,)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [(ord(c) - 32) % 95 for c in text]
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(32 + int(t) % 95) for t in ids if int(t) < 256)
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kw) -> str:
-        for i, m in enumerate(messages):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise TokenizerError(f"message {i} needs string 'role' and 'content'")
-        return "".join(f"<{m['role'][0]}>{m['content']}" for m in messages) + "<a>"
-
-
-def tiny_llm(seed: int = 0) -> LLM:
-    cfg = LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, max_position_embeddings=512)
-    llm = LLM.__new__(LLM)
-    llm.model_spec, llm.dtype, llm.config, llm.source = "tiny", "float32", cfg, None
-    llm.params = init_params(cfg, jax.random.PRNGKey(seed), jnp.float32, scale=0.3)
-    llm.tokenizer = CharTokenizer()
-    llm.max_context = 512
-    llm.backend, llm.attention_impl, llm.attention_fn, llm.runtime = "cpu", "reference", None, SpecRuntime()
-    return llm
 
 
 PROMPTS = ["hello there", "abcabcabc", "x", "the quick brown", "0123456789", "zz top", "q?"]
