@@ -298,6 +298,14 @@ class _Cursor:
         self.pos += n
         return out
 
+    def text(self, what: str, limit: int) -> str:
+        """`string` decoded as UTF-8; a name that is not UTF-8 fails naming `what` and its first bytes."""
+        raw = self.string(what, limit)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what} {raw[:40]!r} is not UTF-8")
+
 
 def _read_value(cur: _Cursor, vtype: int, key: str) -> _Value:
     if vtype in _SCALARS:
@@ -372,11 +380,7 @@ def read_gguf(path: str, *, error: type = GGUFError, tensors: bool = True) -> GG
         cur.fail(f"tensor count {n_tensors} is more than the file can hold")
     fields: dict[str, _Value] = {}
     for _ in range(n_kv):
-        raw_key = cur.string("metadata key", MAX_KEY_BYTES)
-        try:
-            key = raw_key.decode("utf-8")
-        except UnicodeDecodeError:
-            cur.fail(f"metadata key {raw_key[:40]!r} is not UTF-8")
+        key = cur.text("metadata key", MAX_KEY_BYTES)
         vtype = cur.u32(f"type of {key!r}")
         value = _read_value(cur, vtype, key)
         if key in fields:
@@ -393,11 +397,7 @@ def read_gguf(path: str, *, error: type = GGUFError, tensors: bool = True) -> GG
         return GGUFFile(path, error, version, fields, {}, alignment, 0, size, buf)
     infos = []
     for _ in range(n_tensors):
-        raw_name = cur.string("tensor name", MAX_TENSOR_NAME_BYTES)
-        try:
-            name = raw_name.decode("utf-8")
-        except UnicodeDecodeError:
-            cur.fail(f"tensor name {raw_name[:40]!r} is not UTF-8")
+        name = cur.text("tensor name", MAX_TENSOR_NAME_BYTES)
         n_dims = cur.u32(f"dimension count of {name!r}")
         if not 1 <= n_dims <= MAX_DIMS:
             cur.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
