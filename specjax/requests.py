@@ -52,8 +52,8 @@ class RequestMetrics:
     draft_time: float | None = None
     verify_time: float | None = None
     lossy: bool = False
-    # Seconds of the call spent tracing, lowering and compiling programs (or loading them from the persistent
-    # cache), included in time_to_first_token / total_time; 0 once the shapes are warm (`specjax.compile_time`).
+    # Seconds of the call XLA spent compiling programs (or reading them from the persistent cache), included in
+    # time_to_first_token / total_time; 0 once the shapes are warm (`specjax.compile_time`).
     compile_time: float = 0.0
 
 
