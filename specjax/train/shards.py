@@ -60,12 +60,31 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(tokenizer.to_json().encode()).hexdigest()
 
 
+# The config fields the first corpora were fingerprinted with. A field added to the config class later enters the
+# hash only when it differs from its default, so a growing config class keeps every existing corpus's identity.
+_FINGERPRINT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                       "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
+                       "tie_word_embeddings", "attention_bias", "architecture")
+
+
+def config_identity(config) -> str:
+    """The text a config contributes to `target_fingerprint`: a dataclass repr of the original fields, then the
+    later ones that differ from their defaults."""
+    import dataclasses
+
+    parts = [f"{n}={getattr(config, n)!r}" for n in _FINGERPRINT_FIELDS]
+    for f in dataclasses.fields(config):
+        if f.name not in _FINGERPRINT_FIELDS and getattr(config, f.name) != f.default:
+            parts.append(f"{f.name}={getattr(config, f.name)!r}")
+    return f"{type(config).__name__}({', '.join(parts)})"
+
+
 def target_fingerprint(config, params) -> str:
-    """A cheap identity of the target's weights: its config and a strided sample of every tensor (hashing all
-    135M parameters would cost more than it protects against)."""
+    """A cheap identity of the target's weights: its config (`config_identity`) and a strided sample of every
+    tensor (hashing all 135M parameters would cost more than it protects against)."""
     import jax
 
-    h = hashlib.sha256(repr(config).encode())
+    h = hashlib.sha256(config_identity(config).encode())
     for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params), key=lambda kv: str(kv[0])):
         flat = np.asarray(leaf, np.float32).reshape(-1)
         h.update(str(path).encode())

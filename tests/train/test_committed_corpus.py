@@ -54,3 +54,14 @@ def test_shards_match_their_manifest(phase):
     (c,) = open_corpus(root)  # every listed shard exists and has its recorded SHA-256
     n = sum(1 for _ in iter_examples([c], split="all", shuffle=False))  # and its arrays agree with its entry
     assert n == c.totals()["sequences"] > 0
+
+
+@pytest.mark.slow
+def test_the_shipped_target_still_matches_the_corpus_fingerprint():
+    """A change to the config class or the loader must not orphan the committed corpus: resuming generation or
+    training on it checks this fingerprint and refuses a mismatch."""
+    from specjax.models.loading import load_model
+    from specjax.train.shards import read_manifest, target_fingerprint
+
+    m = load_model("smollm2-135m", "float32", with_tokenizer=False)
+    assert target_fingerprint(m.config, m.params) == read_manifest(os.path.join(DATA, "responses"))["target"]

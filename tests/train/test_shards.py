@@ -140,3 +140,20 @@ def test_heldout_split_is_by_prompt(tmp_path):
     ids = np.arange(20000)
     share = np.mean([is_heldout(i) for i in ids])
     assert 0.04 < share < 0.06
+
+
+def test_config_fields_added_later_change_the_fingerprint_only_when_set():
+    import dataclasses
+
+    from specjax.models.llama import LlamaConfig
+    from specjax.train.shards import config_identity
+
+    base = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                head_dim=8)
+    cfg = LlamaConfig(**base)
+    old_style = (f"LlamaConfig({', '.join(f'{k}={v!r}' for k, v in base.items())}, rms_norm_eps=1e-05, "
+                 "rope_theta=10000.0, rope_scaling=None, max_position_embeddings=2048, tie_word_embeddings=False, "
+                 "attention_bias=False, architecture='llama')")
+    assert config_identity(cfg) == old_style  # the repr the first corpora were hashed with
+    assert config_identity(dataclasses.replace(cfg, sliding_window=64)) != old_style
+    assert config_identity(dataclasses.replace(cfg, rope_theta=5e5)) != old_style
