@@ -196,13 +196,14 @@ def t2o_table(vocab_size: int, out_ids: np.ndarray | None) -> np.ndarray:
 SOFT_TOP_K = 16  # entries of the target's distribution kept as soft targets at each position
 
 
-def open_for_target(roots: Sequence[str], target) -> list[Corpus]:
-    """The corpora at `roots`, checked against a loaded target (`specjax.models.loading.load_model` with its
-    tokenizer): a corpus made with another tokenizer or another target's weights is refused (`ShardError`)."""
+def open_for_target(roots: Sequence[str], target, blocks: str | None = None) -> list[Corpus]:
+    """The corpora at `roots` (only blocks `blocks`, "A:B", if given), checked against a loaded target
+    (`specjax.models.loading.load_model` with its tokenizer): a corpus made with another tokenizer or another
+    target's weights is refused (`ShardError`)."""
     from specjax.train.shards import open_corpus, target_fingerprint, tokenizer_fingerprint
 
     return open_corpus(roots, tokenizer_sha=tokenizer_fingerprint(target.tokenizer),
-                       target_sha=target_fingerprint(target.config, target.params))
+                       target_sha=target_fingerprint(target.config, target.params), blocks=blocks)
 
 
 def recorded_features(corpora: Sequence[Corpus], layout: Sequence[str] | None = None) -> bool:
@@ -220,15 +221,23 @@ def recorded_features(corpora: Sequence[Corpus], layout: Sequence[str] | None = 
     return True
 
 
-def shard_hashes(roots: Sequence[str]) -> list[str]:
-    """One short hash per corpus over its listed shards' SHA-256s, for a run's settings guard (`check_run`): a
-    corpus that grew or changed since the run started would change the batch stream under a resumed run."""
+def shard_hashes(roots: Sequence[str], blocks: str | None = None) -> list[str]:
+    """One short hash per corpus over its listed (and, with `blocks`, selected) shards' SHA-256s, for a run's
+    settings guard (`check_run`): a corpus that grew or changed since the run started would change the batch
+    stream under a resumed run."""
     import hashlib
 
-    from specjax.train.shards import read_manifest
+    from specjax.train.shards import open_corpus
 
-    return [hashlib.sha256("".join(e["sha256"] for e in read_manifest(r)["shards"]).encode()).hexdigest()[:16]
-            for r in roots]
+    return [hashlib.sha256("".join(e["sha256"] for e in c.shards).encode()).hexdigest()[:16]
+            for c in open_corpus(roots, check_hashes=False, blocks=blocks)]
+
+
+def add_corpus_blocks_arg(ap) -> None:
+    """The `--corpus-blocks` option every corpus trainer takes."""
+    ap.add_argument("--corpus-blocks", default=None, metavar="A:B",
+                    help="--corpus: train and evaluate on blocks A..B-1 only (A: = from A on), e.g. the blocks "
+                         "whose features this machine recorded")
 
 
 def tokenizer_always_ids(tokenizer) -> list[int]:

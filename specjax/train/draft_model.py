@@ -33,6 +33,7 @@ from specjax.kv_cache import init_cache
 from specjax.models.draft_io import DraftError, draft_config, load_draft, save_draft
 from specjax.models.llama import LlamaConfig, forward
 from specjax.train.common import always_ids, cached_array, check_run, select_vocab
+from specjax.train.corpus import add_corpus_blocks_arg
 from specjax.train.loop import add_loop_options, apply_gradients, fit, last_eval, make_optimizer, pyplot_or_none, \
     report, save_figure, smoothed, split_history, train_mean
 
@@ -222,7 +223,7 @@ def train(args) -> dict:
     if args.corpus:
         from specjax.train.corpus import shard_hashes
 
-        run.update(corpus_shards=shard_hashes(args.corpus), max_len=args.max_len)
+        run.update(corpus_shards=shard_hashes(args.corpus, args.corpus_blocks), corpus_blocks=args.corpus_blocks, max_len=args.max_len)
     check_run(args.out, run, DraftError)
     if args.corpus:
         return train_on_corpus(args)
@@ -275,7 +276,7 @@ def train_on_corpus(args) -> dict:
 
     target = load_model(args.target, "float32")
     tcfg, tparams = target.config, target.params
-    corpora = open_for_target(args.corpus, target)
+    corpora = open_for_target(args.corpus, target, args.corpus_blocks)
     V = tcfg.vocab_size
     always = tokenizer_always_ids(target.tokenizer)
     config, params, d2t = initial_draft(args, tcfg, tparams, lambda size: train_vocab(
@@ -426,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--data", help=".npz from `python -m specjax.train.data` (small, in memory)")
     src.add_argument("--corpus", nargs="+", help="token-shard corpus directories from `python -m "
                                                  "specjax.train.generate` (streamed), e.g. OUT/responses")
+    add_corpus_blocks_arg(ap)
     ap.add_argument("--max-len", type=int, default=0,
                     help="--corpus: use only the first N tokens of each sequence (0 = all)")
     ap.add_argument("--eval-batches", type=int, default=32, help="--corpus: held-out batches per evaluation")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import os
 import time
@@ -38,6 +37,7 @@ import numpy as np
 from specjax.heads.eagle import HeadConfig, default_eagle3_layers, head_config, head_logits, init_from_target, \
     unrolled_hidden
 from specjax.train.common import TrainError, always_ids, cached_array, check_run, select_vocab
+from specjax.train.corpus import add_corpus_blocks_arg
 from specjax.train.features import load_or_compute_features
 from specjax.train.loop import add_loop_options, apply_gradients, fit, last_eval, make_optimizer, pyplot_or_none, \
     report, save_figure, smoothed, split_history, train_mean
@@ -253,7 +253,7 @@ def evaluate(train, frozen_eval, cfg, arrays, feats, targets, rows, unroll, batc
 # ============================================================================================ run
 _RUN_KEYS = ("kind", "data", "target", "steps", "batch", "bucket", "lr", "warmup", "weight_decay", "clip", "unroll",
              "init_layer", "draft_vocab", "loss_vocab", "feature_layers", "ce_weight", "reg_weight", "step_decay",
-             "seed", "max_len", "corpus", "loss", "features", "init_head")
+             "seed", "max_len", "corpus", "corpus_blocks", "loss", "features", "init_head")
 
 
 def train(args) -> dict:
@@ -267,12 +267,9 @@ def train(args) -> dict:
     run["init_head"] = os.path.abspath(run["init_head"]) if run["init_head"] else None
     run["feature_layers"] = list(run["feature_layers"] or ())
     if args.corpus:
-        # The shards themselves, not only their directory: a corpus that grew since the run started would
-        # change the batch stream under a resumed run.
-        from specjax.train.shards import read_manifest
+        from specjax.train.corpus import shard_hashes
 
-        run["corpus_shards"] = [hashlib.sha256("".join(e["sha256"] for e in read_manifest(c)["shards"]).encode())
-                                .hexdigest()[:16] for c in args.corpus]
+        run["corpus_shards"] = shard_hashes(args.corpus, args.corpus_blocks)
     check_run(args.out, run, HeadTrainError)
     if args.corpus:
         return train_on_corpus(args)
@@ -436,14 +433,12 @@ def train_on_corpus(args) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as PS
 
     from specjax.models.loading import load_model
-    from specjax.train.corpus import (CorpusBatches, count_tokens, device_targets, t2o_table,
-                                      vocab_from_counts)
-    from specjax.train.shards import open_corpus, target_fingerprint, tokenizer_fingerprint
+    from specjax.train.corpus import (CorpusBatches, count_tokens, device_targets, open_for_target,
+                                      recorded_features, t2o_table, vocab_from_counts)
 
     target = load_model(args.target, "float32")
     tcfg, tparams, tok = target.config, target.params, target.tokenizer
-    corpora = open_corpus(args.corpus, tokenizer_sha=tokenizer_fingerprint(tok),
-                          target_sha=target_fingerprint(tcfg, tparams))
+    corpora = open_for_target(args.corpus, target, args.corpus_blocks)
     V = tcfg.vocab_size
     always = sorted({0, 1, 2, *tok.stop_token_ids})
     cfg, params, draft_ids, vocab, frozen, frozen_eval = build_head(
@@ -452,14 +447,17 @@ def train_on_corpus(args) -> dict:
                                                     lambda: count_tokens(corpora, V, "train")), size, always))
     # A warm-started head reads its own layers; recorded features only serve a run that reads the same ones.
     layers = tuple(cfg.feature_layers or args.feature_layers or default_eagle3_layers(tcfg.num_layers))
-    recorded = all(c.feature_width for c in corpora)
-    online = args.features == "online" or (args.features == "auto" and not recorded)
+    want = [str(x) for x in ("final",) + layers]
+    online = args.features == "online" or (args.features == "auto" and not recorded_features(corpora, want))
     if not online:
         for c in corpora:
-            want = [str(x) for x in ("final",) + layers]
             if c.manifest.get("features") != want:
                 raise HeadTrainError(f"{c.root}: its recorded features are {c.manifest.get('features')}, this run "
                                      f"needs {want}; use --features online or the corpus's layers")
+        if not recorded_features(corpora, want):
+            raise HeadTrainError(f"--features recorded: not every selected shard of {', '.join(args.corpus)} has "
+                                 "its feature file here (a committed corpus keeps them local); select the blocks "
+                                 "recorded on this machine with --corpus-blocks, or use --features online")
     t2o = jnp.asarray(t2o_table(V, None if vocab.size == V else vocab))
     ids = jnp.asarray(vocab)
     vocab_eval = (jnp.arange(V, dtype=jnp.int32), jnp.asarray(t2o_table(V, None))) if args.kind == "eagle" \
@@ -579,6 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--features", choices=("auto", "recorded", "online"), default="auto",
                     help="--corpus: target features from the corpus (recorded) or the target's forward in each step "
                          "(online); auto = recorded when every corpus has them")
+    add_corpus_blocks_arg(ap)
     ap.add_argument("--loss", choices=LOSSES, default="kl", help="distribution-matching loss (see step_losses)")
     ap.add_argument("--mesh", type=int, default=1, help="data-parallel devices (the batch is split over them)")
     ap.add_argument("--eval-batches", type=int, default=32, help="--corpus: held-out batches per evaluation")

@@ -42,6 +42,7 @@ import numpy as np
 from specjax.heads.medusa import MedusaConfig, head_hidden, head_logits, init_heads, target_lm_rows
 from specjax.models.llama import LlamaConfig
 from specjax.train.common import TrainError, always_ids, cached_array, check_run, progress_bar, select_vocab
+from specjax.train.corpus import add_corpus_blocks_arg
 from specjax.train.features import feature_cache_key, final_hidden, response_rows
 from specjax.train.loop import add_loop_options, apply_gradients, fit, last_eval, make_optimizer, pyplot_or_none, \
     report, save_figure, smoothed, split_history, train_mean
@@ -298,7 +299,7 @@ def train(args) -> dict:
     if args.corpus:
         from specjax.train.corpus import shard_hashes
 
-        run.update(corpus_shards=shard_hashes(args.corpus), max_len=args.max_len, features=args.features)
+        run.update(corpus_shards=shard_hashes(args.corpus, args.corpus_blocks), corpus_blocks=args.corpus_blocks, max_len=args.max_len, features=args.features)
     check_run(args.out, run, MedusaTrainError)
     if args.corpus:
         return train_on_corpus(args)
@@ -369,7 +370,7 @@ def train_on_corpus(args) -> dict:
     t_start = time.perf_counter()
     target = load_model(args.target, "float32")
     tcfg, tparams = target.config, target.params
-    corpora = open_for_target(args.corpus, target)
+    corpora = open_for_target(args.corpus, target, args.corpus_blocks)
     V = tcfg.vocab_size
     counts_path = os.path.join(args.out, "token_counts.npy")
     token_map = None
@@ -545,6 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--data", nargs="+", help="one or more .npz from `python -m specjax.train.data` (in memory)")
     src.add_argument("--corpus", nargs="+", help="token-shard corpus directories from `python -m "
                                                  "specjax.train.generate` (streamed), e.g. OUT/responses")
+    add_corpus_blocks_arg(ap)
     ap.add_argument("--features", choices=("auto", "recorded", "online"), default="auto",
                     help="--corpus: the target's final hidden state from the corpus (recorded) or the target's "
                          "forward in each step (online); auto = recorded when every corpus has them")

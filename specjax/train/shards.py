@@ -296,13 +296,40 @@ class Corpus:
                 "response_tokens": sum(e["response_tokens"] for e in s)}
 
 
+def parse_blocks(spec: str | None) -> tuple[int, int | None] | None:
+    """A block range "A:B" (blocks A..B-1), "A:" or ":B" as (start, end or None); None or "" = every block."""
+    if not spec:
+        return None
+    a, sep, b = spec.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        lo, hi = int(a) if a.strip() else 0, int(b) if b.strip() else None
+    except ValueError:
+        raise ShardError(f"block range {spec!r}: write START:END, START: or :END with whole numbers "
+                         "(blocks START..END-1)") from None
+    if lo < 0 or (hi is not None and hi <= lo):
+        raise ShardError(f"block range {spec!r} selects no block: START must be >= 0 and END > START")
+    return lo, hi
+
+
 def open_corpus(roots: str | Sequence[str], *, tokenizer_sha: str | None = None, target_sha: str | None = None,
-                check_hashes: bool = True) -> list[Corpus]:
-    """Open one or more corpus directories and check them against the tokenizer and target that will use them."""
+                check_hashes: bool = True, blocks: str | None = None) -> list[Corpus]:
+    """Open one or more corpus directories and check them against the tokenizer and target that will use them.
+
+    blocks: "A:B" keeps only the shards of blocks A..B-1 (`parse_blocks`), e.g. the blocks whose features this
+    machine recorded; a range that selects no shard of a corpus is an error naming it."""
     out = []
+    rng = parse_blocks(blocks)
     for root in [roots] if isinstance(roots, str) else roots:
         man = read_manifest(root)
         where = os.path.join(root, MANIFEST)
+        if rng is not None:
+            lo, hi = rng
+            man = dict(man, shards=[e for e in man["shards"] if lo <= e["block"] and (hi is None or e["block"] < hi)])
+            if not man["shards"]:
+                raise ShardError(f"{where}: no shard lies in blocks {blocks} (it holds blocks "
+                                 f"{sorted(e['block'] for e in read_manifest(root)['shards'])})")
         if tokenizer_sha and man.get("tokenizer") != tokenizer_sha:
             raise ShardError(f"{where}: made with another tokenizer ({str(man.get('tokenizer'))[:12]}..., this model's "
                              f"is {tokenizer_sha[:12]}...); its token ids mean other words")

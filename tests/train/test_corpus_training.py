@@ -239,3 +239,23 @@ def jax_to_np(tree):
     import jax
 
     return jax.tree.map(np.asarray, tree)
+
+
+def test_recorded_features_missing_for_some_shards_name_the_fix(corpus, tmp_path):
+    """A committed corpus keeps its feature files on the machine that made them: --features recorded over shards
+    without them is refused with the way out, and --corpus-blocks trains on the recorded blocks alone."""
+    import shutil
+
+    model, root = corpus
+    part = tmp_path / "part"
+    shutil.copytree(root, part)
+    man = json.load(open(part / "manifest.json"))
+    assert len(man["shards"]) >= 2
+    first = man["shards"][0]
+    os.remove(part / "features" / first["features"])
+    with pytest.raises(E.HeadTrainError, match="--corpus-blocks"):
+        E.main(_train_args(model, str(part), tmp_path / "run", "--features", "recorded"))
+    s = E.main(_train_args(model, str(part), tmp_path / "run2", "--features", "recorded",
+                           "--corpus-blocks", f"{first['block'] + 1}:"))
+    assert s["features"] == "recorded"
+    assert s["corpus"][str(part)]["shards"] == len(man["shards"]) - 1

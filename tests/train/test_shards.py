@@ -157,3 +157,17 @@ def test_config_fields_added_later_change_the_fingerprint_only_when_set():
     assert config_identity(cfg) == old_style  # the repr the first corpora were hashed with
     assert config_identity(dataclasses.replace(cfg, sliding_window=64)) != old_style
     assert config_identity(dataclasses.replace(cfg, rope_theta=5e5)) != old_style
+
+
+def test_a_block_range_selects_shards_and_bad_ranges_are_named(tmp_path):
+    root = _corpus(tmp_path)
+    (c,) = open_corpus(root, blocks="1:")
+    assert [e["block"] for e in c.shards] == [1, 2]
+    (c,) = open_corpus(root, blocks=":1")
+    assert [e["block"] for e in c.shards] == [0]
+    assert sum(1 for _ in iter_examples([c], split="all")) == 4
+    for bad in ("1", "a:b", "2:1", "-1:"):
+        with pytest.raises(ShardError, match="block range"):
+            open_corpus(root, blocks=bad)
+    with pytest.raises(ShardError, match=r"manifest.json: no shard lies in blocks 5:.*\[0, 1, 2\]"):
+        open_corpus(root, blocks="5:")
