@@ -11,6 +11,7 @@ keeps only `runtime`, the speculative caches (built drafters, measured break-eve
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -214,6 +215,8 @@ class LLM:
         if len(rows) > cap:
             # Every request checked before the first batch runs: a bad one fails now, not after hours of work.
             requests.check_requests(row_ids, rows, self._extra_slots(spec), self.max_context)
+        if len(rows) > cap and self._can_queue(spec):
+            return _gather(prompts, ids, owners, self._queued(row_ids, rows, owners, spec, cap, stream))
         holds = [requests.StopStream(sp.stop) if stream is not None and sp.stop else None for sp in rows]
         comps: list[CompletionOutput] = []
         for start in range(0, len(rows), cap):
@@ -233,6 +236,49 @@ class LLM:
                         stream(owners[r][0], rest)
                 comps.append(comp)
         return _gather(prompts, ids, owners, comps)
+
+    def _can_queue(self, spec: SpeculativeConfig) -> bool:
+        """Whether rows past max_num_seqs can queue through the continuous-batching engine: a single-device
+        model on the XLA backends with plain decoding or a device-side drafter. Otherwise they run in successive
+        batches of max_num_seqs."""
+        if self.backend == "neuron" or self.mesh_plan is not None:
+            return False
+        if not spec.enabled:
+            return True
+        from specjax.runners import speculative
+
+        return not getattr(speculative.drafter_for(self, spec)[0], "host_side", False)
+
+    def _queued(self, row_ids: list[list[int]], rows: list[SamplingParams], owners, spec: SpeculativeConfig,
+                cap: int, stream: Stream | None) -> list[CompletionOutput]:
+        """Every row through `runners.serving.run_queued`, at most `cap` at once; the completions in row order."""
+        from specjax import compile_time
+        from specjax.runners.base import STREAM_CHUNK
+        from specjax.runners.serving import run_queued
+
+        # The engine scores no logprobs: they come from one teacher-forced pass after generation, as for a batch.
+        plain_rows = [dataclasses.replace(sp, logprobs=None) for sp in rows]
+        on_text = None if stream is None else (lambda r, text: stream(owners[r][0], text))
+        with compile_time.watch(compile_time.say) as ct:
+            results = run_queued(self, row_ids, plain_rows, spec if spec.enabled else None, cap, on_text,
+                                 step_chunk=STREAM_CHUNK if stream is not None else 32,
+                                 progress=compile_time.progress_enabled())
+        comps = []
+        for r, (res, sp) in enumerate(zip(results, rows)):
+            spec_fields = dict(res.spec or {}, draft_time=None, verify_time=None) if res.spec is not None else {}
+            metrics = requests.RequestMetrics(
+                prompt_tokens=res.prompt_tokens, new_tokens=res.completion_tokens,
+                time_to_first_token=res.time_to_first_token, total_time=res.e2e_latency,
+                tokens_per_s=res.completion_tokens / res.e2e_latency if res.e2e_latency > 0 else float("nan"),
+                compile_time=ct.total, **spec_fields)
+            if res.finish_reason == "error":
+                requests.warn_nonfinite(res.completion_tokens)
+            comp = CompletionOutput(owners[r][1], res.text, list(res.token_ids), None, None, res.finish_reason,
+                                    res.stop_reason, res.seed, metrics)
+            if sp.logprobs is not None:
+                comp.cumulative_logprob, comp.logprobs = self.score_logprobs(row_ids[r], comp.token_ids, sp)
+            comps.append(comp)
+        return comps
 
     def _run(self, prompts, ids, params, spec: SpeculativeConfig, stream: Stream | None) -> list[RequestOutput]:
         """One batch of rows (n = 1 each) through the runner that fits."""

@@ -6,7 +6,8 @@
   step emits tokens past the stop, which must be dropped); streamed pieces join to the cut text.
 * n and seeds: n = 4 at T = 1 gives 4 different samples, the same on a second run; greedy n = 2 gives two equal
   ones; seed None gives fresh samples whose recorded seed reproduces them.
-* max_num_seqs: prompts run in batches of at most N rows, with the same outputs as one batch.
+* max_num_seqs: past N rows, prompts queue through continuous batching at batch N, with the same outputs as one
+  batch (greedy and seeded samples), and short requests do not wait for long ones.
 * chat: one conversation or several, chat_template_kwargs and add_generation_prompt reach the template.
 * LLM(model=..., speculative_config=...): the default speculative config, overridden per call; bad arguments
   are ConfigErrors.
@@ -198,28 +199,58 @@ def test_seed_none_is_fresh_and_the_recorded_seed_reproduces(llm, specs, method)
 # ------------------------------------------------------------------------------------------------ batching
 
 
-def test_max_num_seqs_runs_batches_of_at_most_n_rows(llm, monkeypatch):
+@pytest.mark.parametrize("method", FAST_METHODS)
+def test_max_num_seqs_queues_rows_through_continuous_batching(llm, specs, method, monkeypatch):
+    """Past max_num_seqs the rows queue through the serving engine's continuous batching at batch N: the
+    outputs equal one uncapped batch's (greedy, and sampled with seeds), streams join to the texts, n samples
+    are rows too, and a short request never waits for a long one (it finishes first whatever its position)."""
+    from specjax.runners import serving
+
+    spec = spec_of(specs, method)
     prompts = [MOTIF[i:] + [i] for i in range(4)]
     sp = SamplingParams(max_tokens=NEW)
-    whole = llm.generate(prompts, sp)
-    sizes = []
-    real = llm._run
+    whole = llm.generate(prompts, sp, spec)
+    batches, ended = [], []
+    Engine, end = serving.ServingEngine, serving.ServingEngine._end
 
-    def spy(prompts, ids, params, spec, stream):
-        sizes.append(len(ids))
-        return real(prompts, ids, params, spec, stream)
+    def engine(llm_, speculative, options, *a, **k):
+        batches.append(options.max_batch)
+        return Engine(llm_, speculative, options, *a, **k)
 
-    monkeypatch.setattr(llm, "_run", spy)
+    def record_end(self, h, event):
+        if not h.done and isinstance(event, serving.Finished):
+            ended.append(int(h.request_id))
+        return end(self, h, event)
+
+    monkeypatch.setattr(serving, "ServingEngine", engine)
+    monkeypatch.setattr(serving.ServingEngine, "_end", record_end, raising=False)
+    monkeypatch.setattr(Engine, "_end", record_end)
     monkeypatch.setattr(llm, "max_num_seqs", 2)
-    capped = llm.generate(prompts, sp)
-    assert sizes == [2, 2]
+    pieces = {}
+    capped = llm.generate(prompts, sp, spec, stream=lambda i, t: pieces.setdefault(i, []).append(t))
+    assert batches == [2]
     assert [o.token_ids for o in capped] == [o.token_ids for o in whole]
+    assert {i: "".join(p) for i, p in pieces.items()} == {i: o.text for i, o in enumerate(capped)}
+    assert all(o.metrics.new_tokens == NEW and o.metrics.total_time > 0 for o in capped)
     # Samples are rows too: 3 prompts x n = 2 -> 6 rows, gathered back per prompt.
-    sizes.clear()
-    both = llm.generate(prompts[:3], SamplingParams(max_tokens=NEW, n=2))
-    assert sizes == [2, 2, 2] and all(len(o.outputs) == 2 for o in both)
+    both = llm.generate(prompts[:3], SamplingParams(max_tokens=NEW, n=2), spec)
+    assert all(len(o.outputs) == 2 for o in both)
     assert [o.outputs[1].token_ids for o in both] == [o.token_ids for o in whole[:3]]
-
+    if method is None:
+        # Plain sampled rows keep their seeds' samples (a row's random numbers depend on its seed and step only;
+        # with speculation, which steps verify depends on the whole batch, so only the distribution is kept).
+        hot = [SamplingParams(max_tokens=NEW, temperature=1.0, seed=s) for s in range(4)]
+        monkeypatch.setattr(llm, "max_num_seqs", None)
+        free = llm.generate(prompts, hot)
+        monkeypatch.setattr(llm, "max_num_seqs", 2)
+        assert [o.token_ids for o in llm.generate(prompts, hot)] == [o.token_ids for o in free]
+    # One long request first, three short ones after it, two slots: the short ones cycle through the second
+    # slot and all finish before the long one (in batches of two, the last short one would finish after it).
+    ended.clear()
+    mixed = [SamplingParams(max_tokens=NEW, ignore_eos=True)] + [SamplingParams(max_tokens=2, ignore_eos=True)] * 3
+    out = llm.generate(prompts, mixed, spec)
+    assert [len(o.token_ids) for o in out] == [NEW, 2, 2, 2]
+    assert ended[-1] == 0 and sorted(ended) == [0, 1, 2, 3]
 
 # ------------------------------------------------------------------------------------------------ chat
 

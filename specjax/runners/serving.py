@@ -38,7 +38,8 @@ from specjax.config import SamplingParams, SpeculativeConfig
 from specjax.engine import FINISH_LENGTH, FINISH_RUNNING
 from specjax.errors import SpecjaxError
 from specjax.requests import (CompletionOutput, RequestError, StopStream, check_request, finish_completion,
-                              finish_name, fresh_seed, pad_prompts, sampling_arrays, spec_metrics, stop_ids)
+                              finish_name, fresh_seed, num_stop, pad_prompts, sampling_arrays, spec_metrics, stop_ids,
+                              uses_options)
 
 
 class QueueFullError(SpecjaxError, RuntimeError):
@@ -58,7 +59,9 @@ class EngineOptions:
     max_queue: requests waiting for a slot at most; more are refused (`QueueFullError`). step_chunk: decode
     steps (plain, or speculative: verify or backed-off plain) between host check-ins at most: streams get text
     and new requests join this often. max_stop_ids: stop token ids per request, the tokenizer's end tokens
-    included.
+    included. all_options: the slots' sampling arrays always carry min_p, min_tokens and the penalties, so any
+    request may use them without a new program; False (an offline run whose requests are all known and use none)
+    leaves them out of the programs, and a request that uses one is refused.
     """
 
     max_batch: int = 16
@@ -67,6 +70,7 @@ class EngineOptions:
     max_queue: int = 64
     step_chunk: int = 4
     max_stop_ids: int = 8
+    all_options: bool = True
 
     def __post_init__(self):
         for name, low in (("max_batch", 1), ("max_prompt_tokens", 1), ("max_tokens", 1), ("max_queue", 0),
@@ -273,6 +277,8 @@ class ServingEngine:
         if n_stop > self.progs.bB.num_stop:
             raise RequestError(f"stop_token_ids: {n_stop} stop ids (the model's end tokens included) do not fit "
                                f"the server's {self.progs.bB.num_stop}; give fewer")
+        if not o.all_options and uses_options([sampling]):
+            raise RequestError("min_p, min_tokens and the penalties need an engine built with all_options=True")
         if sampling.seed is None and not sampling.is_greedy:
             sampling = dataclasses.replace(sampling, seed=fresh_seed())
         return sampling
@@ -399,7 +405,7 @@ class ServingEngine:
         # Every optional array is always there (min_p, min_tokens, penalties; neutral values are exact no-ops), so
         # requests that use them join the running batch without a new program.
         return sampling_arrays(self.tokenizer, params, self.batch, self.progs.bB.num_stop, prompts,
-                               self.llm.config.vocab_size, all_options=True)
+                               self.llm.config.vocab_size, all_options=self.options.all_options)
 
     def _empty(self):
         self._slot_sampling = self._sampling()
@@ -424,7 +430,8 @@ class ServingEngine:
         tokens, lens, active = pad_prompts([ids], 1, self.progs.bB.prompt_len)
         return self.progs.prefill(tokens, lens, active, sampling_arrays(self.tokenizer, [sp], 1,
                                                                         self.progs.bB.num_stop, [ids],
-                                                                        self.llm.config.vocab_size, all_options=True))
+                                                                        self.llm.config.vocab_size,
+                                                                        all_options=self.options.all_options))
 
     def _read(self):
         """(out_tokens [B, max_new], num_new [B], finish [B]) on the host (waits for the device)."""
@@ -638,6 +645,63 @@ class ServingEngine:
         except Exception as e:
             self.failure = _describe(e)
             self._fail_waiting("error", f"the engine failed: {self.failure}")
+
+
+# ----------------------------------------------------------------------------------------------------- offline
+
+
+def run_queued(llm, prompt_ids: Sequence[Sequence[int]], params: Sequence[SamplingParams], speculative,
+               max_batch: int, on_text: Callable[[int, str], None] | None = None, step_chunk: int = 32,
+               progress: bool = False) -> list[Result]:
+    """Generate for every request with at most `max_batch` running at once, the rest queued: `LLM.generate`
+    past max_num_seqs. A finished row's slot takes the next request at once (continuous batching, the batch
+    job's programs), so a short request never waits for the longest one of a fixed batch. Shapes come from the
+    requests (longest prompt, largest max_new_tokens), so every program compiles once for the call.
+
+    on_text(i, new_text): request i's text as it grows, called on this thread (the pieces join to its result's
+    text); step_chunk: steps between host check-ins at most (the loop returns earlier when a slot frees);
+    progress: a tqdm bar over finished requests on stderr. Returns one Result per request, in order. A request
+    that fails raises its error once the engine has stopped; nothing is left running."""
+    import queue
+
+    n = len(prompt_ids)
+    params = list(params)
+    options = EngineOptions(max_batch=max(1, min(max_batch, n)), max_prompt_tokens=max(map(len, prompt_ids)),
+                            max_tokens=max(p.max_new_tokens for p in params), max_queue=n, step_chunk=step_chunk,
+                            max_stop_ids=max(1, num_stop(llm.tokenizer, params)), all_options=uses_options(params))
+    engine = ServingEngine(llm, speculative, options)
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    results: list[Result | None] = [None] * n
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=n, desc="generate", unit="req", dynamic_ncols=True)
+        except ImportError:  # tqdm is optional
+            bar = None
+    engine.start(warmup=False)
+    try:
+        for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
+            engine.submit(ids, sp, lambda ev, i=i: events.put((i, ev)), request_id=str(i))
+        left = n
+        while left:
+            i, ev = events.get()
+            if isinstance(ev, Delta):
+                if on_text is not None:
+                    on_text(i, ev.text)
+            elif isinstance(ev, Failed):
+                raise RequestError(f"request {i} failed ({ev.reason}): {ev.message}")
+            else:
+                results[i] = ev.result
+                left -= 1
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        engine.shutdown(deadline=0.0)
+        if bar is not None:
+            bar.close()
+    return results
 
 
 def _describe(e: BaseException) -> str:
