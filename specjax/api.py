@@ -3,8 +3,9 @@ SamplingParams(...))`, `llm.chat(messages)`, `llm.warmup()`.
 
 A thin facade: it loads the model, normalises and tokenizes the prompts (`specjax.requests`), turns each request
 into one row per sample (`n`, seeds fixed on the host), hands the rows to the one host driver
-(`runners.base.generate`), at most `max_num_seqs` at a time, with the variant that fits: plain (`runners.plain`),
-speculative (`runners.speculative`) or the Neuron policy (`runners.neuron`). Then the host-side options: stop
+(`runners.base.generate`) with the variant that fits: plain (`runners.plain`), speculative (`runners.speculative`)
+or the Neuron policy (`runners.neuron`); past `max_num_seqs` rows, they queue through the continuous-batching
+engine instead (`runners.serving.run_queued`). Then the host-side options: stop
 strings cut each sample (`requests.finish_completion`), logprobs come from one teacher-forced forward over prompt
 + output (`score_logprobs`), and the samples of a prompt are gathered into one RequestOutput. Between calls it
 keeps only `runtime`, the speculative caches (built drafters, measured break-evens) and learned values.
@@ -55,8 +56,9 @@ class LLM:
         a Hugging Face directory, so bf16 stays bf16; float32 for GGUF files); `self.dtype` is the one loaded.
         speculative_config: the default of every generate / chat call (None: plain decoding); a call's own
         speculative_config replaces it. The drafter is built here, so a bad head path fails now.
-        max_num_seqs: run at most this many sequences (samples) at once; more are queued in batches of this
-        size (None: all in one batch).
+        max_num_seqs: run at most this many sequences (samples) at once; more wait in a queue and take the
+        slot of the next one that finishes (continuous batching; on a mesh, under the Neuron policy or with a
+        host-side drafter, successive batches of this size). None: all in one batch.
         backend: 'auto' | 'cpu' | 'gpu' | 'tpu' run the default program; 'neuron' runs the Neuron-policy
         program (fused unrolled steps looped from the host, buckets compiled ahead of time), on CPU when the
         Neuron SDK is absent. attention_interpret runs Pallas kernels in interpret mode (testing on CPU).
