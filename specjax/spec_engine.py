@@ -411,10 +411,13 @@ def propose_jit(dparams, drafter, state: SpecState, sampling: SamplingArrays):
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "attention_fn", "adaptive"),
                    donate_argnames=("state",))
 def spec_until_free(params, config: LlamaConfig, dparams, drafter, state: SpecState, sampling: SamplingArrays,
-                    max_steps: jax.Array, attention_fn=None, adaptive: Adaptive | None = None) -> SpecState:
+                    max_steps: jax.Array, attention_fn=None, adaptive: Adaptive | None = None,
+                    min_gain: jax.Array | None = None, force_verify: jax.Array | None = None) -> SpecState:
     """Speculative steps of every slot until one finishes (or `max_steps`, traced); for continuous batching.
-    Jitted; `state` donated."""
-    step = lambda st: spec_step(params, config, dparams, drafter, st, sampling, attention_fn, adaptive=adaptive)
+    min_gain / force_verify: traced, as in `spec_loop` (the break-even measured at this batch size). Jitted;
+    `state` donated."""
+    step = lambda st: spec_step(params, config, dparams, drafter, st, sampling, attention_fn, adaptive=adaptive,
+                                min_gain=min_gain, force_verify=force_verify)
     return until_free(lambda st: st.dec.finish, step, state, max_steps)
 
 

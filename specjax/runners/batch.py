@@ -64,6 +64,7 @@ class SlotPrograms:
         self.drafter = getattr(variant, "drafter", None)
         self.b1 = dataclasses.replace(buckets, batch=1)
         self.bB = dataclasses.replace(buckets, batch=batch)
+        self.floor: float | None = None  # the back-off break-even at batch B (`calibrate`); None = the default
 
     def prefill(self, tokens, lens, active, sampling):
         return self.variant.prefill(self.b1, tokens, lens, active, sampling)
@@ -88,10 +89,33 @@ class SlotPrograms:
             return engine.insert_row(state, row, np.int32(slot))
 
     def advance(self, state, sampling, max_steps: int):
-        return self.variant.until_free(self.bB, state, sampling, max_steps)
+        if self.floor is None:
+            return self.variant.until_free(self.bB, state, sampling, max_steps)
+        return self.variant.until_free(self.bB, state, sampling, max_steps, self.floor)
+
+    def calibrate(self, llm, all_options: bool) -> float | None:
+        """Measure the back-off break-even at batch B before the first request (a verify pass over B rows costs
+        more plain steps than at batch 1, so a drafter that pays alone can cost a full batch): one dummy row
+        (cycling token ids, ignore_eos) in slot 0 of an empty state runs timed speculative and plain steps
+        (`SpecVariant.slot_break_even`), then the state is dropped. Kept in `llm.runtime` per (config, B), so a
+        second job or engine of the same shape does not measure again. A no-op for plain decoding, a variant
+        without a back-off rule, or the Neuron policy."""
+        v = self.variant
+        if getattr(v, "adaptive", None) is None or not hasattr(v, "slot_break_even"):
+            return None
+        B, P, n_stop, V = self.bB.batch, self.bB.prompt_len, self.bB.num_stop, llm.config.vocab_size
+        ids = [(i % max(1, V - 1)) + 1 for i in range(min(16, P))]
+        sp = SamplingParams(max_new_tokens=self.bB.max_new, ignore_eos=True, seed=0)
+        tokens, lens, active = pad_prompts([ids], 1, P)
+        row = self.prefill(tokens, lens, active, sampling_arrays(llm.tokenizer, [sp], 1, n_stop, [ids], V,
+                                                                 all_options))
+        sampling = sampling_arrays(llm.tokenizer, [sp] * B, B, n_stop, [ids] * B, V, all_options)
+        state = self.insert(self.empty(sampling), row, 0)
+        self.floor = v.slot_break_even(self.bB, state, sampling)
+        return self.floor
 
 
-def programs(llm, buckets, batch: int, drafter=None, dparams=None, adaptive=None) -> SlotPrograms:
+def programs(llm, buckets, batch: int, drafter=None, dparams=None, adaptive=None, spec=None) -> SlotPrograms:
     """The job's programs for a drafter (None: plain decoding): under the Neuron policy when llm.backend is
     'neuron' (the NeuronRunner's ahead-of-time compiled prefill at batch 1 and straight-line fused step at a
     Neuron batch bucket, 4 steps a call), else the plain or speculative variant."""
@@ -110,7 +134,7 @@ def programs(llm, buckets, batch: int, drafter=None, dparams=None, adaptive=None
         return SlotPrograms(PlainVariant(llm), buckets, batch)
     from specjax.runners.speculative import SpecVariant
 
-    return SlotPrograms(SpecVariant(llm, drafter, dparams, adaptive=adaptive), buckets, batch)
+    return SlotPrograms(SpecVariant(llm, drafter, dparams, adaptive=adaptive, spec=spec), buckets, batch)
 
 
 def _neuron_batch(batch: int) -> int:
@@ -197,10 +221,11 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
         # B from every valid request too (not only those left), for the same reason.
         B = min(batch_size, len(valid))
         with on_mesh():
-            progs = programs(llm, buckets, B, drafter, dparams, adaptive)
+            progs = programs(llm, buckets, B, drafter, dparams, adaptive, spec if spec.enabled else None)
             from specjax.runners.base import check_memory
 
             check_memory(llm, progs.bB, progs.variant, "this batch job")
+            progs.calibrate(llm, uses_options([r.sampling for r in todo]))
             with GracefulStop(say) as stop:
                 _decode(llm, progs, todo, progs.bB.batch, out, summary, spec, max_steps, progress, err, stop)
     finally:

@@ -213,7 +213,8 @@ class ServingEngine:
                                + (f" + {extra} speculative slots" if extra else "")
                                + f" = {need} exceeds the model's context of {llm.max_context}; lower one of them")
         buckets = make_buckets(1, o.max_prompt_tokens, o.max_tokens, extra_slots=extra, num_stop=o.max_stop_ids)
-        self.progs = programs(llm, buckets, o.max_batch, drafter, dparams, adaptive)
+        self.progs = programs(llm, buckets, o.max_batch, drafter, dparams, adaptive,
+                              self.spec if self.spec.enabled else None)
         self.batch = self.progs.bB.batch
         self._filler = SamplingParams(max_new_tokens=1, seed=0)  # sampling values of free slots (never read)
         self._lock = threading.Condition()
@@ -343,6 +344,8 @@ class ServingEngine:
 
         def main():
             try:
+                # The back-off break-even at this batch size, measured before any request runs (`calibrate`).
+                self.progs.calibrate(self.llm, self.options.all_options)
                 self._state = self._empty()
                 if warmup:
                     t = time.perf_counter()

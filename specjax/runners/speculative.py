@@ -89,10 +89,33 @@ class SpecVariant(DeviceVariant):
         return (yield from device_steps(llm, drafter, dparams, state, sampling, self.adaptive, key,
                                         self.force_verify, chunk))
 
-    def until_free(self, b, state, sampling, max_steps: int):
+    def until_free(self, b, state, sampling, max_steps: int, min_gain: float | None = None, force: bool = False):
+        """Steps until a slot frees (`spec_engine.spec_until_free`). With a back-off rule, min_gain is the
+        break-even (None: the rule's default) and force verifies every step (calibration); both traced, so one
+        program serves every value."""
+        kw = {} if self.adaptive is None else dict(
+            min_gain=jnp.float32(self.adaptive.min_gain if min_gain is None else min_gain),
+            force_verify=jnp.bool_(force))
         return spec_engine.spec_until_free(self.llm.params, self.llm.config, self.dparams, self.drafter, state,
                                            sampling, np.int32(max_steps), attention_fn=self.llm.attention_fn,
-                                           adaptive=self.adaptive)
+                                           adaptive=self.adaptive, **kw)
+
+    def slot_break_even(self, b, state, sampling) -> float | None:
+        """The back-off break-even of the slot loop at batch b.batch: measured once per (config, batch bucket)
+        and process (`backoff.calibrate` on `state`, whose running rows emit real tokens while it times them),
+        then kept in `llm.runtime.break_even`. None without a back-off rule, or when the rows ended before a
+        measurement (the rule's default then stands)."""
+        if self.adaptive is None:
+            return None
+        key = (self.spec, b.batch)
+        rt = self.llm.runtime
+        if key not in rt.break_even:
+            run = lambda st, steps, g, force: self.until_free(b, st, sampling, steps, g, force)  # noqa: E731
+            _, floor = calibrate(run, state)
+            if floor is None:
+                return None
+            rt.break_even[key] = floor
+        return rt.break_even[key]
 
     def finish(self, state, new_ids: list[list[int]]) -> list[dict]:
         if self.host is not None:

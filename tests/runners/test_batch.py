@@ -530,3 +530,53 @@ def test_full_disk_stops_cleanly_and_resume_recovers_everything(clean, tmp_path)
     assert set(got) == set(results)
     for k, r in results.items():
         assert got[k]["token_ids"] == r["token_ids"], k
+
+
+def test_ngram_job_backs_off_against_the_break_even_measured_at_its_batch_size(llm, clean, tmp_path, monkeypatch):
+    """The slot loop's back-off uses a break-even measured at the job's batch size (a verify over B rows costs
+    more plain steps than at batch 1): measured once before the first request, kept per (config, B), handed to
+    every loop call, and it decides: a floor no gain reaches leaves only probes, a floor of zero speculates."""
+    from specjax import backoff
+    from specjax.config import SpeculativeConfig
+
+    inp, results = clean
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    key = (SpeculativeConfig.from_user(spec), SLOTS)
+    saved = dict(llm.runtime.break_even)
+    measured, floors = [], []
+    real_calibrate = backoff.calibrate
+
+    def spy_calibrate(*a, **k):
+        out = real_calibrate(*a, **k)
+        measured.append(out[1])
+        return out
+
+    from specjax.runners import speculative
+    monkeypatch.setattr(speculative, "calibrate", spy_calibrate)
+    real_until = speculative.SpecVariant.until_free
+
+    def spy_until(self, b, state, sampling, max_steps, min_gain=None, force=False):
+        if min_gain is None or abs(min_gain) < 1e8:  # not one of calibrate's forced chunks
+            floors.append(min_gain)
+        return real_until(self, b, state, sampling, max_steps, min_gain, force)
+
+    monkeypatch.setattr(speculative.SpecVariant, "until_free", spy_until)
+    try:
+        llm.runtime.break_even.pop(key, None)
+        job(llm, inp, tmp_path / "a.jsonl", speculative=spec)
+        assert len(measured) == 1 and measured[0] is not None and key in llm.runtime.break_even
+        assert floors and set(floors) == {llm.runtime.break_even[key]}
+        job(llm, inp, tmp_path / "b.jsonl", speculative=spec)
+        assert len(measured) == 1  # kept: the second job of the same shape does not measure again
+
+        def verify_steps(floor, name):
+            llm.runtime.break_even[key] = floor
+            s, _ = job(llm, inp, tmp_path / name, speculative=spec)
+            got = by_id(read_results(tmp_path / name))
+            assert {k: v["token_ids"] for k, v in got.items()} == {k: v["token_ids"] for k, v in results.items()}
+            return s.verify_steps
+
+        assert verify_steps(1e9, "never.jsonl") < verify_steps(0.0, "always.jsonl")
+    finally:
+        llm.runtime.break_even.clear()
+        llm.runtime.break_even.update(saved)
