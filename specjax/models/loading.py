@@ -431,10 +431,20 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def load_gguf(path: str, dtype: str = "float32") -> tuple[LlamaConfig, dict, GGUFFile]:
     """Config, params (NumPy, each tensor dequantized and cast to `dtype` as it is read) and the reader of a GGUF
-    file (or of a split model, given its first shard)."""
+    file (or of a split model, given its first shard). A large file's params come from the weight cache when an
+    earlier process stored them (`weight_cache`), and are stored there after a read."""
+    from specjax.models import weight_cache
+
     target = np_dtype(dtype)
     reader = _gguf_reader(path)
     config = config_from_gguf(reader, path)
+    cached = weight_cache.load(path, dtype)
+    if cached is not None:
+        try:
+            check_shapes(cached, config, path)
+            return config, cached, reader
+        except ModelLoadError:  # an entry that does not fit this config: read the file again
+            weight_cache.drop(path, dtype)
     tensors = reader.tensors
     check_layer_count(tensors, "blk.", config.num_layers, path)
     expected = _gguf_shapes(config)
@@ -461,6 +471,7 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[LlamaConfig, dict, GGU
               "final_norm": get("output_norm.weight")}
     if not config.tie_word_embeddings:
         params["lm_head"] = get("output.weight").T
+    weight_cache.store(path, dtype, params)
     return config, params, reader
 
 
