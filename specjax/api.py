@@ -48,7 +48,7 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", *,
                  speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
-                 max_num_seqs: int | None = None, backend: str = "auto", attention_impl: str = "auto",
+                 max_num_seqs: int | None = 256, backend: str = "auto", attention_impl: str = "auto",
                  max_context: int | None = None, attention_interpret: bool = False, mesh=None,
                  quantization: str | None = None, quantization_group_size: int = 32,
                  kv_cache_dtype: str | None = None):
@@ -58,7 +58,8 @@ class LLM:
         speculative_config replaces it. The drafter is built here, so a bad head path fails now.
         max_num_seqs: run at most this many sequences (samples) at once; more wait in a queue and take the
         slot of the next one that finishes (continuous batching; on a mesh, under the Neuron policy or with a
-        host-side drafter, successive batches of this size). None: all in one batch.
+        host-side drafter, successive batches of this size). 256 by default (vLLM's), so a thousand prompts
+        never become one batch; None: all in one batch.
         backend: 'auto' | 'cpu' | 'gpu' | 'tpu' run the default program; 'neuron' runs the Neuron-policy
         program (fused unrolled steps looped from the host, buckets compiled ahead of time), on CPU when the
         Neuron SDK is absent. attention_interpret runs Pallas kernels in interpret mode (testing on CPU).

@@ -286,6 +286,7 @@ def model_dir(tmp_path_factory):
 
 def test_speculative_config_at_construction_is_the_default(model_dir, monkeypatch):
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    assert LLM(model_dir).max_num_seqs == 256  # vLLM's default cap: a thousand prompts never make one batch
     llm = LLM(model_dir, speculative_config=ngram, max_num_seqs=4)
     assert llm.speculative_config == SpeculativeConfig.from_user(ngram) and llm.max_num_seqs == 4
     seen = []
