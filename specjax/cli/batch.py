@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Sequence
 
-from specjax.cli.common import add_config_flags, make_llm, shortcut_overrides, user_errors
+from specjax.cli.common import add_config_flags, make_llm, shortcut_overrides
 from specjax.config import load_run_config
 from specjax.runners.batch_io import BatchError, check_paths  # no JAX: `specjax --help` stays fast
 
@@ -77,14 +77,9 @@ def run(args) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m specjax.runners.batch INPUT OUTPUT ...` (the same as `specjax batch`)."""
-    p = argparse.ArgumentParser(prog="specjax batch", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except user_errors() as e:
-        print(f"specjax: error: {e}", file=sys.stderr)
-        return 2
+    from specjax.cli.common import standalone
+
+    return standalone("specjax batch", __doc__.split("\n")[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

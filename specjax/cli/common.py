@@ -53,3 +53,18 @@ def make_llm(cfg: RunConfig):
 def user_errors() -> tuple[type[Exception], ...]:
     """specjax's own error types: each carries a one-line message meant for the user (no traceback)."""
     return (SpecjaxError,)
+
+
+def standalone(prog: str, description: str, add_arguments, run, argv=None) -> int:
+    """The `python -m specjax.cli.<command>` entry of a subcommand (the same as `specjax <command>`): parse with
+    the command's own arguments, run, and print a specjax error as one line (exit status 2)."""
+    import sys
+
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except user_errors() as e:
+        print(f"specjax: error: {e}", file=sys.stderr)
+        return 2

@@ -125,16 +125,9 @@ def make_server(app, engine, host: str, port: int, shutdown_timeout: float, log_
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m specjax.cli.serve ...` (the same as `specjax serve ...`)."""
-    from specjax.cli.common import user_errors
+    from specjax.cli.common import standalone
 
-    p = argparse.ArgumentParser(prog="specjax serve", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except user_errors() as e:
-        print(f"specjax: error: {e}", file=sys.stderr)
-        return 2
+    return standalone("specjax serve", __doc__.split("\n")[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":
