@@ -41,14 +41,19 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 // 16 codes widened to float32. With AVX-512 through the widening intrinsics; otherwise through int32 vectors (GCC 12
 // compiles a direct char -> float __builtin_convertvector to 16 scalar conversions, and scalarizes the signed
 // widening of a loaded byte vector too, hence the xor / subtract sign extension).
-inline f32x16 widen_unsigned(const uint8_t* p, int shift, int mask) {
 #if defined(__AVX512F__)
-  const __m512i v = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-      reinterpret_cast<const __m128i*>(p))), shift), _mm512_set1_epi32(mask));
+inline f32x16 int32_to_f32x16(__m512i v) {
   const __m512 f = _mm512_cvtepi32_ps(v);
   f32x16 out;
   std::memcpy(&out, &f, sizeof(out));
   return out;
+}
+#endif
+
+inline f32x16 widen_unsigned(const uint8_t* p, int shift, int mask) {
+#if defined(__AVX512F__)
+  return int32_to_f32x16(_mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(p))), shift), _mm512_set1_epi32(mask)));
 #else
   u8x16 c;
   std::memcpy(&c, p, sizeof(c));
@@ -58,10 +63,7 @@ inline f32x16 widen_unsigned(const uint8_t* p, int shift, int mask) {
 
 inline f32x16 widen_signed(const uint8_t* p) {
 #if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  f32x16 out;
-  std::memcpy(&out, &f, sizeof(out));
-  return out;
+  return int32_to_f32x16(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #else
   u8x16 c;
   std::memcpy(&c, p, sizeof(c));
