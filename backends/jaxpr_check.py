@@ -172,6 +172,17 @@ def _subjaxprs(params: dict) -> list[tuple[str, ClosedJaxpr | Jaxpr]]:
     return out
 
 
+def scan_operands(eqn, values: list) -> tuple[list, list, list]:
+    """A scan equation's operands (or anything in their order) split into (consts, initial carry, xs). jax 0.10
+    records the counts as num_consts / num_carry; 0.11 replaced them by a flat tree of the three groups (ft_in)."""
+    p = eqn.params
+    if "num_consts" in p:
+        nc, nk = p["num_consts"], p["num_carry"]
+        return list(values[:nc]), list(values[nc:nc + nk]), list(values[nc + nk:])
+    consts, init, xs = p["ft_in"].update(list(values)).unpack()
+    return list(consts), list(init), list(xs)
+
+
 def _open(j: ClosedJaxpr | Jaxpr) -> Jaxpr:
     return j.jaxpr if isinstance(j, ClosedJaxpr) else j
 
@@ -304,9 +315,9 @@ class _Walker:
         return [o and ins[0] for o in outs]
 
     def visit_scan(self, eqn, ins: list[bool]) -> list[bool]:
-        nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
         body = _open(eqn.params["jaxpr"])
-        consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+        consts, init, xs = scan_operands(eqn, ins)
+        nk = len(init)
         carry = self.loop_fixed_point(body, consts, init, xs)
         outs = self.walk(body, consts + carry + xs)
         return carry + outs[nk:]

@@ -11,6 +11,7 @@ Error measure: rel = max|out - truth| / max|truth| over the whole output, truth 
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import functools
 
 import jax
@@ -431,7 +432,14 @@ def _abstract_args(batch, num_tokens, num_q_heads, kv_heads, head_dim, seq_len, 
 
 
 def _lower(fn, args, platform):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    """Lower for `platform` on this (CPU) host. For cuda the target GPU is named by an abstract mesh: jax 0.11's
+    Triton lowering reads the GPU's generation from it when no GPU is attached (0.10 did not need it)."""
+    ctx = contextlib.nullcontext()
+    if platform == "cuda":
+        gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+        ctx = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu))
+    with ctx:
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 class TestCrossLowering:
