@@ -233,12 +233,15 @@ def read_safetensors(files: list[str], dtype: str = "float32") -> dict[str, np.n
     """All tensors of the files as NumPy arrays, floating ones cast once to `dtype` ('float32' | 'bfloat16'); a
     malformed file, or a tensor name in two shards -> ModelLoadError naming the file."""
     out: dict[str, np.ndarray] = {}
+    bar = progress_bar("reading safetensors", len(files), "file") if len(files) > 1 else _NoBar()
     for fn in files:
         tensors = read_safetensors_file_as(fn, dtype)
         twice = sorted(set(tensors) & set(out))
         if twice:
             raise ModelLoadError(f"{fn}: tensor {twice[0]!r} is also in another shard; the checkpoint is inconsistent")
         out.update(tensors)
+        bar.update(1)
+    bar.close()
     return out
 
 
@@ -448,6 +451,7 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[LlamaConfig, dict, GGU
     tensors = reader.tensors
     check_layer_count(tensors, "blk.", config.num_layers, path)
     expected = _gguf_shapes(config)
+    bar = progress_bar(f"reading {os.path.basename(path)}", len(expected), "tensor")
 
     def get(name):
         if name not in tensors:
@@ -457,7 +461,9 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[LlamaConfig, dict, GGU
         if t.shape != expected[name]:
             raise ModelLoadError(f"{path}: tensor {name} has shape {t.shape}, expected {expected[name]} from the "
                                  "config metadata")
-        return reader.tensor_float32(t).astype(target, copy=False)
+        out = reader.tensor_float32(t).astype(target, copy=False)
+        bar.update(1)
+        return out
 
     # The converter interleaves Q/K rows for llama.cpp's rotary layout only for llama; qwen2/3 keep HF order.
     permute = config.architecture == "LlamaForCausalLM"
@@ -471,8 +477,31 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[LlamaConfig, dict, GGU
               "final_norm": get("output_norm.weight")}
     if not config.tie_word_embeddings:
         params["lm_head"] = get("output.weight").T
+    bar.close()
     weight_cache.store(path, dtype, params)
     return config, params, reader
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(desc: str, total: int, unit: str):
+    """A tqdm bar on stderr while a model loads, where progress is shown (`compile_time.progress_enabled`: a
+    terminal, or SPECJAX_PROGRESS=1); otherwise, or without tqdm, an object that does nothing."""
+    from specjax.compile_time import progress_enabled
+
+    if not progress_enabled():
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
 
 
 def load_gguf_native(path: str) -> tuple[LlamaConfig, dict, GGUFFile]:

@@ -615,3 +615,16 @@ def test_bf16_checkpoint_loads_bit_exact_as_bf16(tmp_path):
                           ref["model.layers.1.self_attn.q_proj.weight"])
     assert np.array_equal(np.asarray(loaded.params["layers"][0]["q_norm"], np.float32),
                           ref["model.layers.0.self_attn.q_norm.weight"])
+
+
+@pytest.mark.parametrize("shown", ["1", "0"])
+def test_reading_a_gguf_file_shows_progress_where_progress_is_shown(tmp_path, capsys, monkeypatch, shown):
+    from helpers import write_gguf
+    from specjax.models import loading
+
+    monkeypatch.setenv("SPECJAX_PROGRESS", shown)
+    monkeypatch.setenv("SPECJAX_WEIGHT_CACHE", "0")
+    cfg = tiny_config()
+    loading.load_gguf(write_gguf(tmp_path / "m.gguf", cfg, tiny_params(cfg, seed=1)))
+    err = capsys.readouterr().err
+    assert ("reading m.gguf" in err) == (shown == "1")
