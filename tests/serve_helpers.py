@@ -36,15 +36,17 @@ class CharTokenizer:
         return "".join(f"<{m['role'][0]}>{m['content']}" for m in messages) + "<a>"
 
 
-def tiny_llm(seed: int = 0) -> LLM:
-    """A tiny random Llama (2 layers, hidden 32, vocabulary 264) behind the LLM interface, no files."""
+def tiny_llm(seed: int = 0, tokenizer=None, max_context: int = 512) -> LLM:
+    """A tiny random Llama (2 layers, hidden 32, vocabulary 264) behind the LLM interface, no files; `tokenizer`
+    defaults to `CharTokenizer`. Weights at scale 0.3 give peaked, prompt-dependent next-token distributions, so a
+    wrong cache row or position changes the greedy tokens."""
     cfg = LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, max_position_embeddings=512)
     llm = LLM.__new__(LLM)
     llm.model_spec, llm.dtype, llm.config, llm.source = "tiny", "float32", cfg, None
     llm.params = init_params(cfg, jax.random.PRNGKey(seed), jnp.float32, scale=0.3)
-    llm.tokenizer = CharTokenizer()
-    llm.max_context = 512
+    llm.tokenizer = CharTokenizer() if tokenizer is None else tokenizer
+    llm.max_context = max_context
     llm.backend, llm.attention_impl, llm.attention_fn, llm.runtime = "cpu", "reference", None, SpecRuntime()
     return llm
 

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import serve_helpers
 from specjax.runners import batch
 from specjax.api import LLM
-from specjax.runners.runtime import SpecRuntime
 from specjax.models.llama import LlamaConfig, init_params
 from specjax.models.tokenizer import TokenizerError
 
@@ -49,17 +49,8 @@ class ByteTokenizer:
 
 
 def tiny_llm(seed: int = SEED, max_context: int = 512) -> LLM:
-    """A deterministic tiny model behind the LLM interface (no files). Weights at scale 0.3 give peaked,
-    prompt-dependent next-token distributions, so a wrong cache row or position changes the greedy tokens."""
-    cfg = LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, max_position_embeddings=512)
-    llm = LLM.__new__(LLM)
-    llm.model_spec, llm.dtype, llm.config, llm.source = "tiny", "float32", cfg, None
-    llm.params = init_params(cfg, jax.random.PRNGKey(seed), jnp.float32, scale=0.3)
-    llm.tokenizer = ByteTokenizer()
-    llm.max_context = max_context
-    llm.backend, llm.attention_impl, llm.attention_fn, llm.runtime = "cpu", "reference", None, SpecRuntime()
-    return llm
+    """The serving tests' tiny model (`serve_helpers.tiny_llm`) with the byte-level tokenizer."""
+    return serve_helpers.tiny_llm(seed, ByteTokenizer(), max_context)
 
 
 def make_requests(n: int, start: int = 0) -> list[dict]:
