@@ -99,34 +99,16 @@ def load(path: str, dtype: str) -> dict | None:
     return unflatten(flat)
 
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16"}
-
-
 def _map(entry: pathlib.Path) -> dict[str, np.ndarray]:
     """The entry's tensors as read-only arrays over one memory map of the file (no copy: the device transfer
-    that follows is the only one). The safetensors layout: an 8-byte header length, a JSON header of
-    name -> {dtype, shape, data_offsets}, the data."""
-    with open(entry, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    data = np.memmap(entry, dtype=np.uint8, mode="r", offset=8 + n)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dt = np.dtype(_DTYPES[info["dtype"]]) if info["dtype"] != "BF16" else _bf16()
-        a, b = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if b - a != int(np.prod(shape, dtype=np.int64)) * dt.itemsize or b > data.size:
-            raise ValueError(f"{entry}: tensor {name} has a bad extent")
-        out[name] = data[a:b].view(dt).reshape(shape)
-    return out
+    that follows is the only one), after `safe_files.safetensors_header` has checked the header against the file."""
+    from specjax.models.loading import _ST_FLOATS, np_dtype
+    from specjax.models.safe_files import safetensors_header
 
-
-def _bf16() -> np.dtype:
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
+    header, _, _ = safetensors_header(str(entry), ValueError)
+    data = np.memmap(entry, dtype=np.uint8, mode="r")
+    return {name: data[begin:end].view(np_dtype(_ST_FLOATS[d])).reshape(shape)
+            for name, (d, shape, begin, end) in header.items()}
 
 
 def drop(path: str, dtype: str) -> None:
