@@ -6,7 +6,25 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import sys
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _drop_checkout_root_from_path() -> None:
+    """`python -m pytest` puts the checkout's root on sys.path, where the top-level `kernels/` folder (installed
+    as `specjax.kernels`) shadows the Hugging Face `kernels` distribution that transformers >= 5.25 requires and
+    imports: the parity tests then fail inside transformers. specjax itself is reached through its installed
+    finder, so the root entry is not needed."""
+    root = os.path.realpath(ROOT)
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+    for name in ("kernels", "backends"):
+        module = sys.modules.get(name)
+        if module is not None and os.path.realpath(getattr(module, "__file__", "") or "").startswith(root + os.sep):
+            del sys.modules[name]
+
+
+_drop_checkout_root_from_path()
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 SPEC_BENCH = os.path.join(SHARED, "data", "spec_bench", "question.jsonl")
 
