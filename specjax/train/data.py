@@ -289,10 +289,16 @@ def save_dataset(path: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
     np.savez(path, **{f: arrays[f] for f in FIELDS}, meta=np.asarray(json.dumps(meta, sort_keys=True)))
 
 
-def load_dataset(path: str) -> tuple[dict[str, np.ndarray], dict]:
-    """Read and check a file written by `save_dataset`. Returns (arrays, meta)."""
+def require_dataset(path: str) -> None:
+    """Raise DataError naming the command that makes `path` when it is not a file. Trainers call it before they
+    create their output folder, so a run without its data leaves nothing behind."""
     if not os.path.isfile(path):
         raise DataError(f"distillation data {path!r} does not exist; make it with `python -m specjax.train.data --out {path}`")
+
+
+def load_dataset(path: str) -> tuple[dict[str, np.ndarray], dict]:
+    """Read and check a file written by `save_dataset`. Returns (arrays, meta)."""
+    require_dataset(path)
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}

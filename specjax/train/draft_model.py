@@ -214,6 +214,8 @@ _RUN_KEYS = ("data", "init_layers", "draft_vocab", "batch", "bucket", "steps", "
 
 def train(args) -> dict:
     """The training run described by the parsed arguments (see `main`). Returns the final summary."""
+    from specjax.train.data import require_dataset
+
     run = {k: getattr(args, k) for k in _RUN_KEYS}
     run["init_layers"] = list(run["init_layers"])
     run["data"] = os.path.abspath(run["data"]) if run["data"] else None
@@ -224,6 +226,8 @@ def train(args) -> dict:
         from specjax.train.corpus import shard_hashes
 
         run.update(corpus_shards=shard_hashes(args.corpus, args.corpus_blocks), corpus_blocks=args.corpus_blocks, max_len=args.max_len)
+    if not args.corpus:
+        require_dataset(args.data)
     check_run(args.out, run, DraftError)
     if args.corpus:
         return train_on_corpus(args)

@@ -259,7 +259,7 @@ _RUN_KEYS = ("kind", "data", "target", "steps", "batch", "bucket", "lr", "warmup
 def train(args) -> dict:
     """The training run described by the parsed arguments (see `parse_args`). Returns the final summary."""
     from specjax.models.loading import load_model
-    from specjax.train.data import load_dataset
+    from specjax.train.data import load_dataset, require_dataset
 
     run = {k: getattr(args, k) for k in _RUN_KEYS}
     run["data"] = os.path.abspath(run["data"]) if run["data"] else None
@@ -270,6 +270,8 @@ def train(args) -> dict:
         from specjax.train.corpus import shard_hashes
 
         run["corpus_shards"] = shard_hashes(args.corpus, args.corpus_blocks)
+    if not args.corpus:
+        require_dataset(args.data)
     check_run(args.out, run, HeadTrainError)
     if args.corpus:
         return train_on_corpus(args)

@@ -289,7 +289,7 @@ _RUN_KEYS = ("data", "target", "heads", "layers", "draft_vocab", "batch", "steps
 def train(args) -> dict:
     """The run described by the parsed arguments (see `parse_args`). Returns the summary (also in summary.json)."""
     from specjax.models.loading import load_model
-    from specjax.train.data import load_dataset
+    from specjax.train.data import load_dataset, require_dataset
 
     t_start = time.perf_counter()
     run = {k: getattr(args, k) for k in _RUN_KEYS}
@@ -300,6 +300,8 @@ def train(args) -> dict:
         from specjax.train.corpus import shard_hashes
 
         run.update(corpus_shards=shard_hashes(args.corpus, args.corpus_blocks), corpus_blocks=args.corpus_blocks, max_len=args.max_len, features=args.features)
+    for path in () if args.corpus else args.data:
+        require_dataset(path)
     check_run(args.out, run, MedusaTrainError)
     if args.corpus:
         return train_on_corpus(args)

@@ -497,3 +497,15 @@ def test_train_head_cli_prints_the_command(capsys):
     assert out.startswith("python -m specjax.train.eagle --kind eagle") and "--steps 3" in out
     assert main(["train-head", "--config", "train/eagel"]) == 2
     assert "did you mean 'train/eagle'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", ["train/eagle3", "train/eagle", "train/medusa", "train/draft"])
+def test_train_head_without_its_data_names_it_and_leaves_no_run(config, tmp_path, capsys):
+    from specjax.cli.main import main
+
+    out, data = tmp_path / "run", tmp_path / "missing.npz"
+    assert main(["train-head", "--config", config, "--set", f"out={out}", "--set", f"data={data}"]) != 0
+    err = capsys.readouterr().err
+    assert "missing.npz' does not exist" in err and "python -m specjax.train.data" in err
+    assert "Traceback" not in err
+    assert not out.exists()
