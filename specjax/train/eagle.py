@@ -171,20 +171,37 @@ train_step = jax.jit(update, static_argnames=("cfg", "optimizer", "unroll", "ce_
 
 @functools.partial(jax.jit, static_argnames=("cfg", "unroll"))
 def eval_matches(train, frozen, cfg: HeadConfig, batch, unroll: int):
-    """(match [U, B, T] bool: step j at row t agrees with the target's greedy token, valid [U, B, T], ce [U])."""
+    """(match [U, B, T] bool: step j at row t agrees with the target's greedy token, valid [U, B, T], ce [U],
+    accept [U, B, T]: sum_k min(p_k, q_k) over the target's top-k, the probability that a draft sampled from the
+    head at temperature 1 is accepted (a lower bound: the mass outside the top-k is left out))."""
     hs = unrolled_hidden(train, cfg, frozen["embed"], batch["tokens"], batch["feats"].astype(jnp.float32), unroll)
-    matches, valids, ces = [], [], []
+    matches, valids, ces, accepts = [], [], [], []
     for j in range(unroll):
         logits = head_logits(train, cfg, frozen, hs[j])
         m = _shift(batch["mask"], 1 + j, False)
         g = _shift(batch["greedy"], 1 + j, -1)
         logq = jax.nn.log_softmax(logits, axis=-1)
-        ce = -jnp.sum(_shift(batch["soft_p"], 1 + j) * jnp.take_along_axis(logq, _shift(batch["soft_idx"], 1 + j),
-                                                                           axis=-1), axis=-1)
+        sp = _shift(batch["soft_p"], 1 + j)
+        logq_k = jnp.take_along_axis(logq, _shift(batch["soft_idx"], 1 + j), axis=-1)
+        ce = -jnp.sum(sp * logq_k, axis=-1)
         matches.append((jnp.argmax(logits, axis=-1) == g) & m)
         valids.append(m)
         ces.append(jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1))
-    return jnp.stack(matches), jnp.stack(valids), jnp.stack(ces)
+        accepts.append(jnp.where(m, jnp.sum(jnp.minimum(sp, jnp.exp(logq_k)), axis=-1), 0.0))
+    return jnp.stack(matches), jnp.stack(valids), jnp.stack(ces), jnp.stack(accepts)
+
+
+def sampled_acceptance(accept: np.ndarray, valid: np.ndarray) -> dict:
+    """accept/valid [U, N, T] (from `eval_matches`) -> the per-step acceptance of a draft sampled at temperature 1
+    ("accept_t1", teacher-forced: each step's context is the target's own text) and the tokens per verify step a
+    chain of U such drafts would give if the steps were independent ("tau_chain_t1")."""
+    U = accept.shape[0]
+    per_step = [float(accept[j][valid[j]].mean()) if valid[j].any() else float("nan") for j in range(U)]
+    tau, run = 1.0, 1.0
+    for a in per_step:
+        run *= 0.0 if np.isnan(a) else a
+        tau += run
+    return {"accept_t1": per_step, "tau_chain_t1": tau}
 
 
 def chain_stats(match: np.ndarray, valid: np.ndarray) -> dict:
@@ -238,7 +255,7 @@ def evaluate(train, frozen_eval, cfg, arrays, feats, targets, rows, unroll, batc
     order = {r: i for i, r in enumerate(rows)}
     for idx, size in make_batches(arrays["length"][rows], batch, bucket, 0, 0, L):
         sel = rows[idx]
-        m, v, ce = jax.device_get(eval_matches(train, frozen_eval, cfg,
+        m, v, ce, _ = jax.device_get(eval_matches(train, frozen_eval, cfg,
                                                host_batch(arrays, feats, targets, sel, size, cfg.kind), unroll))
         for k, r in enumerate(sel):
             match[:, order[r], :size] = m[:, k]
@@ -497,18 +514,21 @@ def train_on_corpus(args) -> dict:
     def run_eval(p, step, final):
         held = CorpusBatches(corpora, batch=args.eval_batch, bucket=args.bucket, max_len=args.max_len or 0,
                              seed=0, split="heldout", features=not online)
-        matches, valids = [], []
+        matches, valids, accepts = [], [], []
         it = held._epoch(0)
         for _, hb in zip(range(args.eval_batches), it):
             hb = dict(hb, length=np.where(hb["temperature"] == 0, hb["length"], 0))  # greedy answers only
             fz, tb = (frozen_eval, vocab_eval) if final else (frozen, (ids, t2o))
-            m, v, _ = jax.device_get(eval_matches(p, fz, cfg, head_batch(hb, tb), args.eval_unroll))
+            m, v, _, a = jax.device_get(eval_matches(p, fz, cfg, head_batch(hb, tb), args.eval_unroll))
             matches.append(m.reshape(m.shape[0], -1))
             valids.append(v.reshape(v.shape[0], -1))
+            accepts.append(a.reshape(a.shape[0], -1))
         if not matches:
             return None
-        st = chain_stats(np.concatenate(matches, 1)[:, None], np.concatenate(valids, 1)[:, None])
+        valid = np.concatenate(valids, 1)[:, None]
+        st = chain_stats(np.concatenate(matches, 1)[:, None], valid)
         return {"vocab": "full" if final and args.kind == "eagle" else "head", **st,
+                **sampled_acceptance(np.concatenate(accepts, 1)[:, None], valid),
                 "positions": int(sum(v[0].sum() for v in valids))}
 
     res = _fit(args, cfg, params, frozen, batch_at, record, run_eval)

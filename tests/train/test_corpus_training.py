@@ -109,6 +109,7 @@ def test_online_and_recorded_training_agree_and_losses_run(corpus, tmp_path, los
     assert s_rec["features"] == "recorded" and s_onl["features"] == "online"
     np.testing.assert_allclose(_train_losses(tmp_path / "rec"), _train_losses(tmp_path / "onl"), rtol=3e-2)
     assert s_rec["heldout"]["top1"] and len(s_rec["heldout"]["alpha"]) == 5
+    assert len(s_rec["heldout"]["accept_t1"]) == 5 and all(0 <= a <= 1 for a in s_rec["heldout"]["accept_t1"])
     assert s_rec["train_tokens_per_s_this_run"] > 0
 
 
@@ -259,3 +260,15 @@ def test_recorded_features_missing_for_some_shards_name_the_fix(corpus, tmp_path
                            "--corpus-blocks", f"{first['block'] + 1}:"))
     assert s["features"] == "recorded"
     assert s["corpus"][str(part)]["shards"] == len(man["shards"]) - 1
+    held = s["heldout"]
+    assert len(held["accept_t1"]) == len(held["top1"]) and all(0 < a <= 1 for a in held["accept_t1"])
+
+
+def test_sampled_acceptance_is_the_overlap_of_the_two_distributions():
+    from specjax.train.eagle import sampled_acceptance
+
+    accept = np.array([[[0.7, 0.7, 0.0]], [[0.5, 0.5, 0.9]]])
+    valid = np.array([[[True, True, False]], [[True, True, False]]])
+    out = sampled_acceptance(accept, valid)
+    np.testing.assert_allclose(out["accept_t1"], [0.7, 0.5])
+    np.testing.assert_allclose(out["tau_chain_t1"], 1 + 0.7 + 0.7 * 0.5)
