@@ -1,9 +1,9 @@
 """Plain decoding of quantized targets: tokens/s, bytes per step against the read bandwidth, and quality against
 float32 (issue 28).
 
-    python benchmarks/quant_decode.py [--settings float32 bfloat16 int8 int4 gguf] [--batches 1 8]
+    python benchmarks/quant_decode.py [--settings float32 bfloat16 int8 int4 gguf w8a8 int8+kv8] [--batches 1 8]
                                       [--new-tokens 64] [--quality-prompts 5] [--quality-tokens 32]
-                                      [--group-size 32] [--json out.json]
+                                      [--group-size 32] [--llama-cpp] [--json out.json]
 
 For each setting: resident weight bytes, bytes a one-token step reads from the weights, the copy bandwidth measured
 in the same run (STREAM convention, `benchmarks/decode.py`) and the roofline it implies, plain greedy tokens/s at
@@ -12,7 +12,10 @@ bytes per token (the model's dtype, and int8 entries with one float32 scale per 
 --quality-prompts Spec-Bench prompts (turns[0], chat template): greedy token agreement with float32 (the share of
 positions before the first difference, and exact-match prompts) and the largest logit difference of one forward
 over the prompt. Settings: float32, bfloat16 (float weights), int8, int4 (float32 activations), gguf (the file's
-own Q8_0 / Q4_0 / Q4_1 blocks).
+own Q8_0 / Q4_0 / Q4_1 blocks), w8a8 (int8 weights and activations through Qwix); any of them with "+kv8" adds the
+int8 KV cache. --llama-cpp: llama.cpp (llama-cpp-python, in a child process) decodes the same GGUF file on the same
+prompts before the first setting and after the last (its drift), at batch 1: decode tokens/s is (tokens - 1) over
+the time after the first token, the median over the prompts.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
-SETTINGS = ("float32", "bfloat16", "int8", "int4", "gguf")
+SETTINGS = ("float32", "bfloat16", "int8", "int4", "gguf", "w8a8")
+KV8 = "+kv8"
 
 
 def _decode_module():
@@ -43,9 +47,30 @@ def _decode_module():
 def make_llm(setting: str, model: str, group_size: int):
     from specjax.api import LLM
 
-    dtype = "bfloat16" if setting == "bfloat16" else "float32"
-    quantization = setting if setting in ("int8", "int4", "gguf") else None
-    return LLM(model, dtype, quantization=quantization, quantization_group_size=group_size)
+    base = setting.removesuffix(KV8)
+    dtype = "bfloat16" if base == "bfloat16" else "float32"
+    quantization = base if base in ("int8", "int4", "gguf", "w8a8") else None
+    return LLM(model, dtype, quantization=quantization, quantization_group_size=group_size,
+               kv_cache_dtype="int8" if setting.endswith(KV8) else None)
+
+
+def setting_name(value: str) -> str:
+    if value.removesuffix(KV8) not in SETTINGS:
+        raise argparse.ArgumentTypeError(f"unknown setting {value!r}: one of {', '.join(SETTINGS)}, each optionally "
+                                         f"with {KV8}")
+    return value
+
+
+def llama_cpp_decode(model: str, prompts: list[str], new_tokens: int) -> dict:
+    """llama.cpp on the same GGUF file, batch 1, greedy: the median decode tokens/s over the prompts."""
+    from specjax.tools.bench import BenchPrompt
+    from specjax.tools.peers import run_isolated
+
+    records = run_isolated("llama.cpp", model, [BenchPrompt(str(i), "decode", (p,)) for i, p in enumerate(prompts)],
+                           new_tokens)
+    rates = [(r["new_tokens"] - 1) / (r["time"] - r["ttft"]) for r in records if r["new_tokens"] > 1]
+    return {"tokens_per_s": float(np.median(rates)), "per_prompt": rates,
+            "new_tokens": [r["new_tokens"] for r in records]}
 
 
 def kv_bytes_per_token(config, itemsize: int) -> dict:
@@ -102,7 +127,8 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), type=setting_name)
+    ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp on the same GGUF, first and last")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--quality-prompts", type=int, default=5)
@@ -117,6 +143,11 @@ def main(argv=None):
     bw = dec.copy_bandwidth()
     prompts = spec_bench_prompts(args.quality_prompts) if args.quality_prompts else []
     rows, ref_tokens, ref_logits = [], None, None
+    dec_prompts = dec.PROMPTS[:4]
+    peer = []
+    if args.llama_cpp:
+        peer.append(llama_cpp_decode(args.model, dec_prompts, args.new_tokens))
+        print(f"llama.cpp batch 1 (first): {peer[0]['tokens_per_s']:.1f} tok/s", flush=True)
     for setting in args.settings:
         t0 = time.perf_counter()
         llm = make_llm(setting, args.model, args.group_size)
@@ -140,8 +171,12 @@ def main(argv=None):
                 row["max_logit_error"] = float(max(np.abs(a - b).max() for a, b in zip(ref_logits, logits)))
         rows.append(row)
         del llm
+    if args.llama_cpp:
+        peer.append(llama_cpp_decode(args.model, dec_prompts, args.new_tokens))
+        print(f"llama.cpp batch 1 (last): {peer[1]['tokens_per_s']:.1f} tok/s", flush=True)
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.machine(), "cpus": os.cpu_count(),
-           "load_average": os.getloadavg(), "copy_bandwidth_bytes_per_s": bw, "args": vars(args), "rows": rows}
+           "load_average": os.getloadavg(), "copy_bandwidth_bytes_per_s": bw, "args": vars(args), "rows": rows,
+           "llama_cpp": peer}
     print(f"\ncopy bandwidth {bw / 1e9:.1f} GB/s; load average {os.getloadavg()[0]:.1f}")
     print("| setting | weights MB | step reads MB | roofline tok/s (b=1) | "
           + " | ".join(f"tok/s b={b}" for b in args.batches)
@@ -155,6 +190,9 @@ def main(argv=None):
               f"{r['roofline_tokens_per_s_batch1']:.0f} | "
               + " | ".join(f"{r[f'batch{b}']['tokens_per_s']:.1f}" for b in args.batches)
               + f" | {kv['model_dtype']} / {kv['int8']} | {q} |")
+    if peer:
+        print(f"| llama.cpp (same GGUF, first / last) | | | | {peer[0]['tokens_per_s']:.1f} / {peer[-1]['tokens_per_s']:.1f}"
+              " (b=1) | | | |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all-turns", action="store_true", help="run multi-turn questions as a conversation")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "w8a8"],
                    help="quantized target weights (specjax.models.quant); default: float weights in --dtype")
     p.add_argument("--out", default="bench-results", help="output directory (JSON + Markdown + PNG)")
     p.add_argument("--peers", nargs="*", default=[],

@@ -69,14 +69,15 @@ def _from_user(cls: type, obj: Any, name: str) -> Any:
 class ModelConfig:
     """Which target model to run. `model` is a registry name (e.g. 'smollm2-135m') or a local path;
     `max_context` caps the KV cache length (None = the model's own limit). `quantization`: None = float weights,
-    'int8' (per output channel), 'int4' (`quantization_group_size` inputs per scale and minimum) or 'gguf' (a GGUF
-    file's own Q8_0 / Q4_0 / Q4_1 blocks); see specjax.models.quant. `kv_cache_dtype`: None = the model's dtype,
+    'int8' (per output channel), 'int4' (`quantization_group_size` inputs per scale and minimum) 'gguf' (a GGUF
+    file's own Q8_0 / Q4_0 / Q4_1 blocks) or 'w8a8' (int8 weights and activations through Qwix: lossy, for int8
+    matrix units); see specjax.models.quant. `kv_cache_dtype`: None = the model's dtype,
     'int8' = int8 entries with per-token, per-head scales (see specjax.kv_cache)."""
 
     model: str = "smollm2-135m"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: the checkpoint's (GGUF: float32)
     max_context: Optional[int] = None
-    quantization: Optional[Literal["int8", "int4", "gguf"]] = None
+    quantization: Optional[Literal["int8", "int4", "gguf", "w8a8"]] = None
     quantization_group_size: int = 32
     kv_cache_dtype: Optional[Literal["int8"]] = None
 

@@ -22,6 +22,16 @@ Where the product runs (`linear`), decided at trace time:
   other kinds dequantized inside the jitted forward and multiplied by XLA's dot. On XLA:CPU that path converts the
   whole weight on every call (about 10x slower than float32), which is why the CPU has its own kernel.
 `SPECJAX_QUANT_MATMUL` = auto (default: the kernel on CPU) | kernel | xla, as for the other CPU kernels.
+
+W8A8 ("w8a8", lossy and labelled so): the int8 weights above, and every activation row quantized to int8 with its
+own scale just before the product, which then runs as an int8 x int8 dot with int32 accumulation through Qwix
+(`qwix.quantize` / `qwix.dot_general`, the maintained JAX quantization library; the `quant` extra). It changes the
+model's logits (the activations are rounded), but integer accumulation is exact and each row's scale is its own,
+so a plain step and a verify block still compute identical rows: greedy speculation stays equal to plain greedy
+of the same W8A8 target. It pays where the hardware has int8 matrix units (TPU, GPU); XLA:CPU runs that dot far
+slower than float32 (reports/quant_cpu/), so the CPU keeps weight-only int8 as its fast setting. Weight-only int8
+and int4 do not go through Qwix: for a float activation Qwix widens and rescales the whole weight before the dot,
+while `linear` multiplies by the widened codes and scales the output.
 """
 from __future__ import annotations
 
@@ -34,8 +44,8 @@ import numpy as np
 from specjax.errors import SpecjaxError
 from specjax.kernels import cpu_build, cpu_matmul
 
-QUANTIZATIONS = ("int8", "int4", "gguf")  # what LLM(quantization=...) accepts besides None
-KINDS = ("int8", "int4", "q8_0", "q4_0", "q4_1")
+QUANTIZATIONS = ("int8", "int4", "gguf", "w8a8")  # what LLM(quantization=...) accepts besides None
+KINDS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "w8a8")
 GGUF_NATIVE = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF types kept as stored by quantization="gguf"
 DEFAULT_GROUP_SIZE = 32  # GGUF Q4 block size: a Q4 file requantized at 32 lands on its own grid
 BLOCK = 32  # GGUF block length, and the granularity of 4-bit packing and of the CPU kernel
@@ -68,7 +78,7 @@ class QuantWeight:
 
     @property
     def bits(self) -> int:
-        return 8 if self.kind in ("int8", "q8_0") else 4
+        return 8 if self.kind in ("int8", "q8_0", "w8a8") else 4
 
     @property
     def nbytes(self) -> int:
@@ -131,6 +141,32 @@ def quantize_int8(w, name: str = "weight") -> QuantWeight:
     scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
     codes = np.clip(np.rint(a / scale), -127, 127).astype(np.int8)
     return QuantWeight(jnp.asarray(codes), jnp.asarray(scale), None, "int8", a.shape[1])
+
+
+def quantize_w8a8(w, name: str = "weight") -> QuantWeight:
+    """`quantize_int8`'s codes and scales, marked for int8 activations at product time (see the module docstring)."""
+    return dataclasses.replace(quantize_int8(w, name), kind="w8a8")
+
+
+def _qwix():
+    try:
+        import qwix
+    except ImportError:
+        raise QuantizationError('quantization="w8a8" runs through Qwix, which is not installed: pip install -e '
+                                '".[quant]" (from a checkout) or pip install "specjax[quant]"') from None
+    return qwix
+
+
+def w8a8_matmul(x: jax.Array, w: QuantWeight) -> jax.Array:
+    """x [..., K] -> [..., N] float32: x quantized to int8 per row (symmetric, its own scale), times the int8 codes
+    with int32 accumulation, rescaled by both scales (Qwix)."""
+    qwix = _qwix()
+    from qwix._src.core.qarray import QArray
+
+    rows = list(range(x.ndim - 1))
+    qx = qwix.quantize(x.astype(jnp.float32), jnp.int8, channelwise_axes=rows)
+    qw = QArray(qvalue=w.codes, scale=w.scale.astype(jnp.float32), zero_point=None, qtype=jnp.int8)
+    return qwix.dot_general(qx, qw, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def quantize_int4(w, group_size: int = DEFAULT_GROUP_SIZE, name: str = "weight") -> QuantWeight:
@@ -262,6 +298,8 @@ def linear(x: jax.Array, w, *, out_dtype=None, allow_kernel: bool = True) -> jax
     if not isinstance(w, QuantWeight):
         return cpu_matmul.matmul_t(x, w, out_dtype=out_dtype)
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    if w.kind == "w8a8":
+        return w8a8_matmul(x, w).astype(out_dtype)
     if allow_kernel and use_kernel(x, w):
         return quant_matmul(x, w).astype(out_dtype)
     dims = (((x.ndim - 1,), (1,)), ((), ()))
@@ -283,11 +321,13 @@ def quantize_params(params: dict, quantization: str, *, group_size: int = DEFAUL
     `quantization` ('int8' or 'int4'); norms, biases and the embedding stay float. lm_head=True adds the LM head
     as a quantized 'lm_head_q' [V, H] (from `lm_head` or the tied embedding), which `llama.lm_head` then reads;
     the float embedding stays for the token lookup and for drafters that share it. A new tree."""
-    if quantization not in ("int8", "int4"):
-        raise QuantizationError(f"quantize_params takes 'int8' or 'int4', got {quantization!r} ('gguf' keeps a "
-                                "GGUF file's own blocks: load the model with quantization='gguf')")
-    quant = (quantize_int8 if quantization == "int8"
-             else lambda w, name: quantize_int4(w, group_size, name))
+    if quantization not in ("int8", "int4", "w8a8"):
+        raise QuantizationError(f"quantize_params takes 'int8', 'int4' or 'w8a8', got {quantization!r} ('gguf' "
+                                "keeps a GGUF file's own blocks: load the model with quantization='gguf')")
+    if quantization == "w8a8":
+        _qwix()
+    quant = {"int8": quantize_int8, "w8a8": quantize_w8a8,
+             "int4": lambda w, name: quantize_int4(w, group_size, name)}[quantization]
     layers = []
     for i, lp in enumerate(params["layers"]):
         if "wqkv_t" not in lp:
@@ -319,5 +359,5 @@ __all__ = [
     "BLOCK", "DEFAULT_GROUP_SIZE", "ENV_MODE", "GGUF_NATIVE", "KINDS", "QUANTIZATIONS", "QUANTIZED_KEYS",
     "QuantWeight", "QuantizationError", "check_quantization", "concat_rows", "dequantize", "from_gguf_blocks",
     "is_quantized", "linear", "mode", "pack_nibbles", "quant_matmul", "quantize_int4", "quantize_int8",
-    "quantize_params", "step_weight_bytes", "take_rows", "unpack_nibbles", "use_kernel", "weight_bytes",
+    "quantize_params", "quantize_w8a8", "step_weight_bytes", "take_rows", "unpack_nibbles", "use_kernel", "w8a8_matmul", "weight_bytes",
 ]
