@@ -23,7 +23,7 @@ import numpy as np
 
 from specjax import requests
 from specjax.config import ConfigError, SamplingParams, SpeculativeConfig
-from specjax.kv_cache import init_cache
+from specjax.kv_cache import check_kv_dtype, init_cache
 from specjax.models.loading import DEFAULT_MODEL, load_model
 from specjax.models.llama import LlamaConfig, forward, fuse_projections
 # Re-exported: `from specjax.api import RequestOutput, pad_prompts, ...` keeps working.
@@ -69,7 +69,10 @@ class LLM:
         quantization: None (float weights in `dtype`), 'int8' (per output channel), 'int4' (an asymmetric scale
         per quantization_group_size inputs) or 'gguf' (a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks) for the
         target's layer projections (specjax.models.quant); speculation runs on top unchanged, and greedy output
-        stays that of the same quantized target. kv_cache_dtype: None, or 'int8' (see specjax.kv_cache)."""
+        stays that of the same quantized target. kv_cache_dtype: None (the target's KV cache in `dtype`), or 'int8'
+        (int8 entries with a scale per token and KV head, specjax.kv_cache; on one device, not under the Neuron
+        policy); speculation stays exact: greedy output is that of plain decoding over the same int8 cache. The
+        drafters' own caches stay in their dtype."""
         spec = SpeculativeConfig.from_user(speculative_config)
         if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
                                          or max_num_seqs < 1):
@@ -86,13 +89,15 @@ class LLM:
         from specjax.models import quant
 
         quant.check_quantization(quantization)
-        if kv_cache_dtype not in (None, "int8"):
-            raise ConfigError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; supported: None (the model's dtype), 'int8'")
-        if kv_cache_dtype == "int8":
-            # specjax.kv_cache and llama.forward read and write int8 caches; the engines allocate theirs with the
-            # params' dtype (engine.prefill_core) and rebuild KVCache without scales, so the option stops here.
-            raise ConfigError("kv_cache_dtype='int8' is not wired into the generation engines yet (the int8 cache "
-                              "works at the forward level: specjax.kv_cache.init_cache(dtype=jnp.int8)); use None")
+        check_kv_dtype(kv_cache_dtype)
+        if kv_cache_dtype is not None and backend == "neuron":
+            # The Neuron policy compiles its own bucket table (backends.neuron), whose caches are in the params' dtype.
+            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} runs with the default program only (backend 'auto', "
+                              "'cpu', 'gpu' or 'tpu'), not under the Neuron policy: drop kv_cache_dtype or use "
+                              "backend='auto'")
+        if kv_cache_dtype is not None and mesh is not None:
+            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} does not run over a device mesh yet (one device "
+                              "only): drop mesh or kv_cache_dtype")
         if quantization is not None and mesh is not None:
             raise ConfigError("quantized weights do not run over a device mesh yet: drop mesh or quantization")
         loaded = load_model(model, dtype, quantization=quantization, group_size=quantization_group_size)
@@ -336,7 +341,7 @@ class LLM:
         with self.on_mesh():
             chosen, rank, vals, top = jax.device_get(_score_tokens(self.params, self.config, jnp.asarray(tokens),
                                                                    jnp.asarray(positions), jnp.asarray(targets),
-                                                                   sampling, k))
+                                                                   sampling, k, self.kv_cache_dtype))
         decode = functools.lru_cache(maxsize=None)(lambda t: self.tokenizer.decode([t]))
         steps = []
         for j, tok in enumerate(out):
@@ -353,11 +358,14 @@ def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "k"))
-def _score_tokens(params, config: LlamaConfig, tokens, positions, targets, sampling: SamplingArrays, k: int):
-    """token_logprobs of targets [1, N] at logit positions [1, N] of one causal forward over tokens [1, T]."""
+@functools.partial(jax.jit, static_argnames=("config", "k", "kv_dtype"))
+def _score_tokens(params, config: LlamaConfig, tokens, positions, targets, sampling: SamplingArrays, k: int,
+                  kv_dtype: str | None = None):
+    """token_logprobs of targets [1, N] at logit positions [1, N] of one causal forward over tokens [1, T], over a
+    KV cache of kv_dtype (the generation's, so an int8 cache scores what it decoded)."""
     B, T = tokens.shape
-    cache = init_cache(config.num_layers, B, T, config.num_kv_heads, config.head_dim, params["embed"].dtype)
+    cache = init_cache(config.num_layers, B, T, config.num_kv_heads, config.head_dim, params["embed"].dtype,
+                       kv_dtype)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
     out = forward(params, config, tokens, pos, cache, logit_positions=positions)
     return token_logprobs(out.logits, targets, sampling, k)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.buckets import PREFILL_CHUNK, Buckets, make_buckets  # noqa: F401  (re-exported: engine.Buckets)
-from specjax.kv_cache import KVCache, init_cache
+from specjax.kv_cache import KVCache, init_cache, map_entries
 from specjax.models.llama import LlamaConfig, forward
 from specjax.sampling import (SamplingArrays, greedy_tokens, has_penalties, output_counts, processed, sample,
                               uniforms)
@@ -92,7 +92,8 @@ def prefill_core(params: dict, config: LlamaConfig, buckets: Buckets, prompts: j
     """
     c = config
     B, P = prompts.shape
-    cache = init_cache(c.num_layers, B, buckets.capacity, c.num_kv_heads, c.head_dim, params["embed"].dtype)
+    cache = init_cache(c.num_layers, B, buckets.capacity, c.num_kv_heads, c.head_dim, params["embed"].dtype,
+                       buckets.kv_dtype)
     C = buckets.prefill_chunk
     if 0 < C < P:
         if P % C:
@@ -140,10 +141,11 @@ def prefill_after_prefix(params: dict, config: LlamaConfig, prefix: KVCache, suf
     [B, S, F] cover the suffix positions only. Pure."""
     B, S = suffix.shape
     Lp = prefix.lengths[0]
-    n = prefix.k[0].shape[2]
-    grow = lambda a: jnp.broadcast_to(jnp.pad(a, ((0, 0), (0, 0), (0, S), (0, 0))), (B,) + a.shape[1:2]
-                                      + (n + S,) + a.shape[3:])
-    cache = KVCache(tuple(map(grow, prefix.k)), tuple(map(grow, prefix.v)), jnp.full((B,), Lp, jnp.int32))
+    n = prefix.capacity
+    # Entries [1, Hkv, n, D] (scales [1, Hkv, n]) -> [B, Hkv, n + S, ...].
+    grow = lambda a: jnp.broadcast_to(jnp.pad(a, ((0, 0), (0, 0), (0, S)) + ((0, 0),) * (a.ndim - 3)),
+                                      (B,) + a.shape[1:2] + (n + S,) + a.shape[3:])
+    cache = map_entries(grow, prefix, lengths=jnp.full((B,), Lp, jnp.int32))
     positions = Lp + jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
     out = forward(params, config, suffix, positions, cache, logit_positions=(suffix_lens - 1)[:, None],
                   hidden_layers=feature_layers(features))
@@ -172,11 +174,10 @@ def _prefill_rows(params: dict, config: LlamaConfig, cache: KVCache, prompts: ja
         toks = jax.lax.dynamic_slice(prompts, (b, start), (1, C))  # [1, C]
         pos = (start + jnp.arange(C, dtype=jnp.int32))[None, :]
         last = prompt_lens[b] - 1  # this row's last prompt position: its logits sample the first token
-        row = KVCache(tuple(row_of(k, b) for k in cache.k), tuple(row_of(v, b) for v in cache.v), start[None])
+        row = map_entries(lambda a: row_of(a, b), cache, lengths=start[None])
         out = forward(params, c, toks, pos, row, logit_positions=jnp.clip(last - start, 0, C - 1)[None, None],
                       hidden_layers=feature_layers(features))
-        cache = cache._replace(k=tuple(put_row(k, r, b) for k, r in zip(cache.k, out.cache.k)),
-                               v=tuple(put_row(v, r, b) for v, r in zip(cache.v, out.cache.v)))
+        cache = map_entries(lambda a, r: put_row(a, r, b), cache, out.cache)
         here = (last >= start) & (last < start + C)
         logits = put_row(logits, jnp.where(here, out.logits[:, 0], row_of(logits, b)), b)
         if features:
@@ -319,9 +320,9 @@ def decode_until_free(params: dict, config: LlamaConfig, state: DecodeState, sam
 def insert_row(state, row, slot: jax.Array):
     """Copy the batch-1 state `row` into row `slot` (traced int32) of the batch state.
 
-    Every leaf of DecodeState / SpecState is batch-first (KV cache [B, Hkv, S, D] per layer, lengths [B], output
-    [B, max_new], history [B, Hc], stats [B] / [B, D], drafter caches), so one scatter per leaf moves a whole
-    request. Jitted; `state` donated: the caches are updated in place."""
+    Every leaf of DecodeState / SpecState is batch-first (KV cache [B, Hkv, S, D] per layer and an int8 cache's
+    scales [B, Hkv, S], lengths [B], output [B, max_new], history [B, Hc], stats [B] / [B, D], drafter caches), so
+    one scatter per leaf moves a whole request. Jitted; `state` donated: the caches are updated in place."""
     return jax.tree_util.tree_map(lambda a, r: a.at[slot].set(r[0]), state, row)
 
 

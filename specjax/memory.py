@@ -2,7 +2,8 @@
 numbers, when it cannot fit the device.
 
 The estimate covers what a request adds on top of the resident weights: the target's KV cache (2 x layers x
-batch x capacity x KV heads x head size, in the cache dtype), a draft model's own cache, and the largest
+batch x capacity x KV heads x head size, in the cache dtype; an int8 cache's entries take one byte plus a float32
+scale per token and KV head, `kv_token_bytes`), a draft model's own cache, and the largest
 transient buffers of one step (the verify pass's logits and their processed copies, [batch, nodes, vocab]
 float32, and the attention scores of a prefill chunk or a verify pass, [batch, heads, rows, capacity]
 float32). It is a floor, not a bound: a job it admits can still run out of memory, but one it refuses would
@@ -35,21 +36,33 @@ class Estimate:
         return self.kv_cache + self.draft_cache + self.activations
 
 
-def kv_bytes(config, batch: int, capacity: int, itemsize: int) -> int:
-    """Bytes of a KV cache: K and V, every layer, [batch, kv_heads, capacity, head_dim]."""
-    return 2 * config.num_layers * batch * config.num_kv_heads * capacity * config.head_dim * itemsize
+def kv_token_bytes(config, itemsize: int, kv_dtype: str | None = None) -> int:
+    """Bytes one token takes in a KV cache: K and V, every layer and KV head; head_dim values of `itemsize` bytes
+    (kv_dtype None), or for 'int8' head_dim one-byte values and one float32 scale (`specjax.kv_cache`)."""
+    per_head = {None: config.head_dim * itemsize, "int8": config.head_dim + 4}[kv_dtype]
+    return 2 * config.num_layers * config.num_kv_heads * per_head
+
+
+def kv_bytes(config, batch: int, capacity: int, itemsize: int, kv_dtype: str | None = None) -> int:
+    """Bytes of a KV cache: K and V, every layer, [batch, kv_heads, capacity, head_dim] (and the scales of an
+    int8 cache, kv_dtype 'int8')."""
+    return batch * capacity * kv_token_bytes(config, itemsize, kv_dtype)
 
 
 def estimate(config, buckets, itemsize: int, tree_nodes: int = 1, draft_config=None) -> Estimate:
-    """What a generation over `buckets` (batch, capacity, prompt bucket and prefill chunk) adds to the
-    resident weights of a target with LlamaConfig `config` whose cache holds `itemsize`-byte values, verifying
-    `tree_nodes` nodes per step (1: plain decoding); draft_config: a draft model's LlamaConfig, or None."""
+    """What a generation over `buckets` (batch, capacity, prompt bucket and prefill chunk, the target cache's
+    kv_dtype) adds to the resident weights of a target with LlamaConfig `config` whose params hold `itemsize`-byte
+    values, verifying `tree_nodes` nodes per step (1: plain decoding); draft_config: a draft model's LlamaConfig,
+    or None (its cache is in the params' dtype)."""
     B, cap = buckets.batch, buckets.capacity
+    kv_dtype = buckets.kv_dtype
     rows = max(tree_nodes, buckets.prefill_chunk or buckets.prompt_len)
     logits = 3 * B * max(tree_nodes, 1) * config.vocab_size * 4  # logits, processed probabilities, one copy
     scores = 2 * B * config.num_heads * rows * cap * 4  # scores and their softmax
+    # An int8 cache is attended to one layer at a time, read back as K and V in the params' dtype.
+    read_back = 0 if kv_dtype is None else 2 * B * config.num_kv_heads * cap * config.head_dim * itemsize
     draft = kv_bytes(draft_config, B, cap, itemsize) if draft_config is not None else 0
-    return Estimate(kv_bytes(config, B, cap, itemsize), draft, logits + scores)
+    return Estimate(kv_bytes(config, B, cap, itemsize, kv_dtype), draft, logits + scores + read_back)
 
 
 def parse_bytes(text: str) -> int:
@@ -103,7 +116,7 @@ def preflight(config, buckets, itemsize: int, tree_nodes: int = 1, draft_config=
     free = available_bytes() if available is None else available
     if free is not None and est.total > free:
         parts = [f"KV cache {_gib(est.kv_cache)} (batch {buckets.batch} x {buckets.capacity} slots x "
-                 f"{config.num_layers} layers)"]
+                 f"{config.num_layers} layers{', int8' if buckets.kv_dtype == 'int8' else ''})"]
         if est.draft_cache:
             parts.append(f"draft model cache {_gib(est.draft_cache)}")
         parts.append(f"step buffers {_gib(est.activations)}")

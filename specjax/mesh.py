@@ -309,10 +309,11 @@ def replicate(tree, plan: ShardingPlan):
 
 
 def cache_spec(plan: ShardingPlan, cache: KVCache) -> KVCache:
-    """PartitionSpecs of a KV cache: k/v [B, Hkv, S, D] batch over data, KV heads over model (when attention is
-    split), lengths [B] over data."""
-    kv = plan.spec(("batch", "kv_heads", None, None))
-    return KVCache(tuple(kv for _ in cache.k), tuple(kv for _ in cache.v), plan.spec(("batch",)))
+    """PartitionSpecs of a KV cache: k/v [B, Hkv, S, D] (and an int8 cache's scales [B, Hkv, S]) batch over data,
+    KV heads over model (when attention is split), lengths [B] over data."""
+    kv, sc = plan.spec(("batch", "kv_heads", None, None)), plan.spec(("batch", "kv_heads", None))
+    return KVCache(tuple(kv for _ in cache.k), tuple(kv for _ in cache.v), plan.spec(("batch",)),
+                   tuple(sc for _ in cache.k_scale), tuple(sc for _ in cache.v_scale))
 
 
 def place_state(state, plan: ShardingPlan):

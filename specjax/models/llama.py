@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from specjax.kernels import cpu_attention, cpu_matmul
 from specjax.models import quant
-from specjax.kv_cache import KVCache, write_kv
+from specjax.kv_cache import KVCache, as_stored, dequantize, with_layers, write_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,7 @@ class ForwardOutput(NamedTuple):
     layer_hidden: jax.Array | None  # [len(hidden_layers), B, T, H] residual stream after the requested layers
     cache: KVCache  # with the T new entries written at [lengths, lengths + T), unless forward(write_cache=False)
     # the T new entries of every layer: (k, v), each a tuple of [B, T, Hkv, D], for callers that write them later
+    # (in the model's dtype: `kv_cache.write_path` quantizes them for an int8 cache)
     new_kv: tuple | None = None
 
 
@@ -340,6 +341,8 @@ def forward(
     """Run the decoder on T new tokens per sequence.
 
     tokens [B, T] int32, positions [B, T] int32 (RoPE positions: for trees, prefix length + node depth).
+    cache: a float or an int8 KVCache (`kv_cache.init_cache(kv_dtype=...)`); attention reads an int8 one back in the
+    params' dtype (`kv_cache.dequantize`), whichever attention path runs.
     tree_mask [B, T, T] bool: which new tokens each new token sees (causal for prefill and chains, the
     ancestor-or-self mask for trees). Defaults to causal. `mask` [B, T, S] bool overrides it with an arbitrary
     mask over all cache slots (reference attention only), taken as given: it must carry any sliding window itself.
@@ -373,7 +376,7 @@ def forward(
     x = shard_hint(jnp.take(params["embed"], tokens, axis=0), "data", None, None)  # [B, T, H]
 
     wanted = {h % c.num_layers for h in hidden_layers}
-    new_k, new_v, kept = [], [], {}
+    layers, kept = [], {}
     block_k, block_v = [], []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
@@ -397,20 +400,29 @@ def forward(
         block_k.append(k)
         block_v.append(v)
         if write_cache:
-            layer_k, layer_v = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths)
+            layer = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths, cache.scales(i))
         else:
-            layer_k, layer_v = cache.k[i], cache.v[i]
-        layer_k, layer_v = (shard_hint(a, "data", "model", None, None) for a in (layer_k, layer_v))
+            layer = (cache.k[i], cache.v[i], cache.scales(i)) if cache.quantized else (cache.k[i], cache.v[i])
+        layer_k, layer_v = (shard_hint(a, "data", "model", None, None) for a in layer[:2])
+        layers.append((layer_k, layer_v) + layer[2:])
+        # An int8 cache is read back in the model's dtype, and the new tokens are attended to as the cache will
+        # hold them (`as_stored`): every attention path below then sees what it sees for a float cache, and a
+        # token sees an earlier one the same whether that one is in the cache or in the same block, so plain
+        # decoding and verification agree.
+        if cache.quantized:
+            k_scale, v_scale = layer[2]
+            layer_k, layer_v = dequantize(layer_k, k_scale, dtype), dequantize(layer_v, v_scale, dtype)
+        k_in, v_in = as_stored(k, cache.quantized), as_stored(v, cache.quantized)
         if mask is None and attention_fn is None and (under_mesh() or c.sliding_window is not None):
             # The C++ kernel applies no window: the XLA path does, for every T.
-            a = prefix_tree_attention(q, layer_k, layer_v, k, v, cache.lengths, tree_mask, scale, positions,
+            a = prefix_tree_attention(q, layer_k, layer_v, k_in, v_in, cache.lengths, tree_mask, scale, positions,
                                       c.sliding_window)
         elif mask is None and attention_fn is None:
             # The C++ kernel on the CPU platform for decode and verify blocks (specjax.kernels.cpu_attention).
             # It reads only the committed slots below `lengths`, which the write leaves alone; it reads them after
             # the write because an operation that read the old buffer while the write updated it in place made XLA
             # copy the cache layer.
-            a = cpu_attention.attention(q, layer_k, layer_v, k, v, cache.lengths, tree_mask, scale=scale,
+            a = cpu_attention.attention(q, layer_k, layer_v, k_in, v_in, cache.lengths, tree_mask, scale=scale,
                                         fallback=prefix_tree_attention)
         else:
             if attention_fn is None:
@@ -418,8 +430,6 @@ def forward(
             else:
                 # The kernels take the head-major cache as it is (see specjax.backends.registry).
                 a = attention_fn(q, layer_k, layer_v, cache.lengths, tree_mask, scale=scale)
-        new_k.append(layer_k)
-        new_v.append(layer_v)
         x = x + (_dot_t(a.reshape(B, T, -1), lp["wo_t"]) if fused else a.reshape(B, T, -1) @ lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
         if fused:
@@ -436,8 +446,7 @@ def forward(
     if compute_logits:
         xs = x if logit_positions is None else jnp.take_along_axis(x, logit_positions[..., None], axis=1)
         logits = lm_head(params, xs)
-    return ForwardOutput(logits, x, layer_hidden, cache._replace(k=tuple(new_k), v=tuple(new_v)),
-                         (tuple(block_k), tuple(block_v)))
+    return ForwardOutput(logits, x, layer_hidden, with_layers(cache, layers), (tuple(block_k), tuple(block_v)))
 
 
 def lm_head(params: dict, x: jax.Array) -> jax.Array:

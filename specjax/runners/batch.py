@@ -217,7 +217,8 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
         # with adaptive: false: the back-off's measured break-even decides which steps verify, and with it
         # which random numbers a sampled step draws).
         buckets = make_buckets(1, max(len(r.token_ids) for r in valid), max(r.sampling.max_new_tokens for r in valid),
-                               extra_slots=extra, num_stop=num_stop(llm.tokenizer, [r.sampling for r in valid]))
+                               extra_slots=extra, num_stop=num_stop(llm.tokenizer, [r.sampling for r in valid]),
+                               kv_dtype=getattr(llm, "kv_cache_dtype", None))
         # B from every valid request too (not only those left), for the same reason.
         B = min(batch_size, len(valid))
         with on_mesh():

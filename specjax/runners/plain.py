@@ -21,7 +21,7 @@ class PlainVariant(DeviceVariant):
         self.llm, self.stream, self.chunk = llm, stream, chunk
 
     def buckets(self, n, max_prompt, max_new, num_stop):
-        return make_buckets(n, max_prompt, max_new, num_stop=num_stop)
+        return make_buckets(n, max_prompt, max_new, num_stop=num_stop, kv_dtype=self.llm.kv_cache_dtype)
 
     def prefill(self, b, tokens, lens, active, sampling):
         return engine.prefill(self.llm.params, self.llm.config, b, tokens, lens, active, sampling)

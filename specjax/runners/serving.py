@@ -212,7 +212,8 @@ class ServingEngine:
             raise RequestError(f"max_prompt_tokens {o.max_prompt_tokens} + max_tokens {o.max_tokens}"
                                + (f" + {extra} speculative slots" if extra else "")
                                + f" = {need} exceeds the model's context of {llm.max_context}; lower one of them")
-        buckets = make_buckets(1, o.max_prompt_tokens, o.max_tokens, extra_slots=extra, num_stop=o.max_stop_ids)
+        buckets = make_buckets(1, o.max_prompt_tokens, o.max_tokens, extra_slots=extra, num_stop=o.max_stop_ids,
+                               kv_dtype=llm.kv_cache_dtype)
         self.progs = programs(llm, buckets, o.max_batch, drafter, dparams, adaptive,
                               self.spec if self.spec.enabled else None)
         self.batch = self.progs.bB.batch

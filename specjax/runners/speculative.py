@@ -53,7 +53,8 @@ class SpecVariant(DeviceVariant):
         self.times = (None, None)  # (draft seconds, verify seconds) of a host-stepped loop
 
     def buckets(self, n, max_prompt, max_new, num_stop):
-        return make_buckets(n, max_prompt, max_new, extra_slots=self.extra_slots, num_stop=num_stop)
+        return make_buckets(n, max_prompt, max_new, extra_slots=self.extra_slots, num_stop=num_stop,
+                            kv_dtype=self.llm.kv_cache_dtype)
 
     def prefill(self, b, tokens, lens, active, sampling):
         return spec_engine.spec_prefill(self.llm.params, self.llm.config, self.dparams, self.drafter, b, tokens,

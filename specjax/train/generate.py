@@ -80,6 +80,7 @@ def _programs(config, shape: GenShape, features: tuple):
 
     from specjax import engine
     from specjax.buckets import Buckets
+    from specjax.kv_cache import map_entries
 
     cap = _capacity(shape)
     bf16 = lambda f: f.astype(jnp.bfloat16) if features else None
@@ -98,12 +99,10 @@ def _programs(config, shape: GenShape, features: tuple):
     def insert(state, rows, slots):
         # slots [R] int32; a padding row's slot is B and is dropped. The rows' caches hold fewer slots than the
         # state's: they go into the first ones (the rest is stale, past the row's length, never attended).
-        m = rows.cache.k[0].shape[2]
+        m = rows.cache.capacity
         put = lambda a, r: a.at[slots].set(r, mode="drop")
         put_kv = lambda a, r: a.at[slots, :, :m].set(r, mode="drop")
-        cache = engine.KVCache(tuple(map(put_kv, state.cache.k, rows.cache.k)),
-                               tuple(map(put_kv, state.cache.v, rows.cache.v)),
-                               put(state.cache.lengths, rows.cache.lengths))
+        cache = map_entries(put_kv, state.cache, rows.cache, lengths=put(state.cache.lengths, rows.cache.lengths))
         rest = {f: put(getattr(state, f), getattr(rows, f)) for f in state._fields if f != "cache"}
         return state._replace(cache=cache, **rest)
 
