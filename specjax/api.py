@@ -67,8 +67,8 @@ class LLM:
         with axes data and model; see specjax.mesh): the params are placed at load, tensor-parallel over `model`,
         the batch spread over `data`. None: one device.
         quantization: None (float weights in `dtype`), 'int8' (per output channel), 'int4' (an asymmetric scale
-        per quantization_group_size inputs) or 'gguf' (a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks) for the
-        target's layer projections (specjax.models.quant); speculation runs on top unchanged, and greedy output
+        per quantization_group_size inputs), 'gguf' (a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks) or 'w8a8'
+        (int8 weights and activations through Qwix: lossy, for int8 matrix units) for the target's layer projections (specjax.models.quant); speculation runs on top unchanged, and greedy output
         stays that of the same quantized target. kv_cache_dtype: None (the target's KV cache in `dtype`), or 'int8'
         (int8 entries with a scale per token and KV head, specjax.kv_cache; on one device, not under the Neuron
         policy); speculation stays exact: greedy output is that of plain decoding over the same int8 cache. The
