@@ -56,3 +56,32 @@ def kernel_policy(monkeypatch):
         jax.clear_caches()
     yield set_policy
     jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def fast_xla_compiles():
+    """Skip most XLA optimisation for one module (`pytestmark = pytest.mark.usefixtures("fast_xla_compiles")`):
+    for modules that compare runs with each other or count traces, not against fixed numbers, and compile many
+    small programs (or interpret-mode kernels) whose compile time this cuts. A global flag, restored after."""
+    previous = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+@pytest.fixture
+def trace_counter(monkeypatch):
+    """Counter of target forward traces by kind ('prefill' for T > 1, 'decode' for T == 1)."""
+    import collections
+
+    from specjax import engine
+
+    counts = collections.Counter()
+    real = engine.forward
+
+    def counting_forward(params, config, tokens, *args, **kwargs):
+        counts["prefill" if tokens.shape[1] > 1 else "decode"] += 1
+        return real(params, config, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "forward", counting_forward)
+    return counts

@@ -7,15 +7,13 @@ through the constructor, the runners' buckets and the engines as a user's would.
 """
 from __future__ import annotations
 
-import collections
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from helpers import save_hf_model, tiny_config, tiny_params
-from specjax import engine, kv_cache, memory
+from specjax import kv_cache, memory
 from specjax.api import LLM
 from specjax.buckets import make_buckets
 from specjax.config import ConfigError, SamplingParams, SpeculativeConfig, load_run_config
@@ -26,13 +24,7 @@ NEW = 24
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 40, 41], [9, 10, 11, 12, 13, 14, 9, 10, 11, 12, 13, 14, 9, 10]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_xla_compiles():
-    """Outputs are compared between runs of this module, not against fixed numbers (as tests/test_llm_api.py)."""
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_xla_compiles")
 
 
 @pytest.fixture(scope="module")
@@ -224,15 +216,8 @@ def test_int8_queued_rows_equal_one_batch(llm8, monkeypatch):
     assert greedy(llm8, PROMPTS)[0] == whole
 
 
-def test_int8_requests_in_one_bucket_never_retrace(llm8, monkeypatch):
-    counts = collections.Counter()
-    real = engine.forward
-
-    def counting_forward(params, config, tokens, *args, **kwargs):
-        counts["prefill" if tokens.shape[1] > 1 else "decode"] += 1
-        return real(params, config, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(engine, "forward", counting_forward)
+def test_int8_requests_in_one_bucket_never_retrace(llm8, trace_counter):
+    counts = trace_counter
     jax.clear_caches()  # so the first call must trace, whatever ran earlier in this module
     greedy(llm8, [PROMPTS[0], PROMPTS[2]], new=10)
     assert dict(counts) == {"prefill": 1, "decode": 1}

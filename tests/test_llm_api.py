@@ -58,15 +58,7 @@ class TextTokenizer:
         return text + (">" if add_generation_prompt else "") + "+" * len(variables)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_xla_compiles():
-    """Outputs are compared between runs of this module, not against fixed numbers: skipping most XLA
-    optimisation cuts the compile time of the many small programs (as tests/test_recompile.py does). A global
-    flag, restored when this module finishes."""
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_xla_compiles")
 
 
 @pytest.fixture(scope="module")

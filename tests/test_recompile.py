@@ -10,8 +10,6 @@ something.
 """
 from __future__ import annotations
 
-import collections
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,28 +22,7 @@ from specjax.config import SamplingParams
 from specjax.sampling import SamplingArrays
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_xla_compiles():
-    """Tracing is what is counted here, not code quality: skipping most XLA optimisation cuts the compile time
-    of the many small programs. A global flag, restored when this module finishes."""
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
-
-
-@pytest.fixture
-def trace_counter(monkeypatch):
-    """Counter of forward traces by kind ('prefill' for T > 1, 'decode' for T == 1)."""
-    counts = collections.Counter()
-    real = engine.forward
-
-    def counting_forward(params, config, tokens, *args, **kwargs):
-        counts["prefill" if tokens.shape[1] > 1 else "decode"] += 1
-        return real(params, config, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(engine, "forward", counting_forward)
-    return counts
+pytestmark = pytest.mark.usefixtures("fast_xla_compiles")
 
 
 def cache_sizes():

@@ -41,14 +41,7 @@ TPU_SMALL = tpu.TpuBlockSizes(block_q=16, block_k=128, block_tree=128)
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_xla_compiles():
-    """Interpret-mode kernels are large XLA programs run on tiny inputs: skipping most XLA optimisation cuts their
-    compile time ~3x. A global flag, so it is restored when this module finishes."""
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_xla_compiles")
 
 
 HYP = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
