@@ -268,3 +268,4 @@ def test_config_and_cli_carry_the_option(monkeypatch):
     assert seen["kv_cache_dtype"] == "int8"
     with pytest.raises(ConfigError):
         load_run_config(overrides=["model.kv_cache_dtype=fp8"])
+
