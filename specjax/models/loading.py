@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import os
 from typing import Any
 
@@ -21,8 +20,8 @@ from specjax.models.gguf_file import GGUFFile, read_gguf_split
 from specjax.models import quant
 from specjax.models.llama import LlamaConfig, fuse_projections, param_shapes
 from specjax.models.safe_files import (INT32_MAX, cfg_bool, cfg_float, cfg_int, cfg_str, check_rope_scaling,
-                                       is_pickle_name, layer_indices, pickle_refusal, read_json_file,
-                                       read_safetensors_file, safetensors_header)
+                                       is_pickle_name, layer_indices, map_safetensors, pickle_refusal,
+                                       read_json_file)
 from specjax.errors import SpecjaxError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -206,27 +205,13 @@ def is_floating(a: np.ndarray) -> bool:
 
 
 # safetensors dtype -> NumPy dtype of the floating types a checkpoint's weights come in.
-_ST_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "bfloat16"}
-
-
 def read_safetensors_file_as(path: str, dtype: str = "float32") -> dict[str, np.ndarray]:
     """One safetensors file's tensors as NumPy arrays, every floating one read from the file's map and cast once
     to `dtype` (no float32 staging: a bf16 tensor loaded as bf16 is copied, never converted); integer and bool
     tensors keep their type. A malformed file -> ModelLoadError naming it."""
     target = np_dtype(dtype)
-    header, _, _ = safetensors_header(path, ModelLoadError)
-    if not all(d in _ST_FLOATS for d, _, _, _ in header.values()):
-        # Non-floating tensors (never model weights, which the caller checks) go through the generic reader.
-        tensors = read_safetensors_file(path, ModelLoadError, float32=False)
-        return {k: a.astype(target) if is_floating(a) else a for k, a in tensors.items()}
-    if not header:
-        return {}
-    try:
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: cannot map the file ({e})") from None
-    return {name: np.frombuffer(mm, dtype=np_dtype(_ST_FLOATS[d]), count=math.prod(shape), offset=begin)
-            .reshape(shape).astype(target) for name, (d, shape, begin, _) in header.items()}
+    return {name: a.astype(target) if is_floating(a) else a.astype(a.dtype.newbyteorder("="))
+            for name, a in map_safetensors(path, ModelLoadError).items()}
 
 
 def read_safetensors(files: list[str], dtype: str = "float32") -> dict[str, np.ndarray]:

@@ -310,9 +310,9 @@ def safetensors_header(path: str, error: type) -> tuple[dict[str, tuple[str, tup
     return out, n, size
 
 
-def read_safetensors_file(path: str, error: type, *, float32: bool = True) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as a NumPy array, after `safetensors_header` validated the layout.
-    Floating tensors (F16/BF16/F32/F64) become float32 when `float32`; integer and bool tensors keep their type."""
+def map_safetensors(path: str, error: type) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only view over one memory map of it, in the file's own dtype
+    (bfloat16 as ml_dtypes'), after `safetensors_header` validated the layout. No copy: callers cast or copy."""
     header, _, _ = safetensors_header(path, error)
     if not header:
         return {}
@@ -324,12 +324,19 @@ def read_safetensors_file(path: str, error: type, *, float32: bool = True) -> di
     for name, (dtype, shape, begin, end) in header.items():
         np_name = _ST_DTYPES[dtype][0]
         np_dtype = _bfloat16() if np_name == "bfloat16" else np.dtype(np_name)
-        arr = np.frombuffer(mm, dtype=np_dtype, count=math.prod(shape), offset=begin).reshape(shape)
-        if float32 and dtype in ("F64", "F32", "F16", "BF16"):
-            arr = arr.astype(np.float32)
+        out[name] = np.frombuffer(mm, dtype=np_dtype, count=math.prod(shape), offset=begin).reshape(shape)
+    return out
+
+
+def read_safetensors_file(path: str, error: type, *, float32: bool = True) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a NumPy array, after `safetensors_header` validated the layout.
+    Floating tensors (F16/BF16/F32/F64) become float32 when `float32`; integer and bool tensors keep their type."""
+    out = {}
+    for name, arr in map_safetensors(path, error).items():
+        if float32 and (arr.dtype.kind == "f" or arr.dtype == _bfloat16()):
+            out[name] = arr.astype(np.float32)
         else:
-            arr = arr.astype(arr.dtype.newbyteorder("="))  # a private copy in native order, detached from the map
-        out[name] = arr
+            out[name] = arr.astype(arr.dtype.newbyteorder("="))  # a private copy in native order, detached from the map
     return out
 
 

@@ -102,13 +102,9 @@ def load(path: str, dtype: str) -> dict | None:
 def _map(entry: pathlib.Path) -> dict[str, np.ndarray]:
     """The entry's tensors as read-only arrays over one memory map of the file (no copy: the device transfer
     that follows is the only one), after `safe_files.safetensors_header` has checked the header against the file."""
-    from specjax.models.loading import _ST_FLOATS, np_dtype
-    from specjax.models.safe_files import safetensors_header
+    from specjax.models.safe_files import map_safetensors
 
-    header, _, _ = safetensors_header(str(entry), ValueError)
-    data = np.memmap(entry, dtype=np.uint8, mode="r")
-    return {name: data[begin:end].view(np_dtype(_ST_FLOATS[d])).reshape(shape)
-            for name, (d, shape, begin, end) in header.items()}
+    return map_safetensors(str(entry), ValueError)
 
 
 def drop(path: str, dtype: str) -> None:
