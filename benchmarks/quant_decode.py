@@ -74,11 +74,10 @@ def llama_cpp_decode(model: str, prompts: list[str], new_tokens: int) -> dict:
 
 
 def kv_bytes_per_token(config, itemsize: int) -> dict:
-    """KV bytes per cached token: K and V of every layer, in the model's dtype and as int8 with a float32 scale per
-    (token, KV head)."""
-    per_layer = config.num_kv_heads * config.head_dim
-    return {"model_dtype": 2 * config.num_layers * per_layer * itemsize,
-            "int8": 2 * config.num_layers * (per_layer + 4 * config.num_kv_heads)}
+    """KV bytes per cached token in the model's dtype and as the int8 cache stores it (`memory.kv_token_bytes`)."""
+    from specjax.memory import kv_token_bytes
+
+    return {"model_dtype": kv_token_bytes(config, itemsize), "int8": kv_token_bytes(config, itemsize, "int8")}
 
 
 def spec_bench_prompts(n: int) -> list[str]:
