@@ -261,7 +261,7 @@ class LLM:
                 cap: int, stream: Stream | None) -> list[CompletionOutput]:
         """Every row through `runners.serving.run_queued`, at most `cap` at once; the completions in row order."""
         from specjax import compile_time
-        from specjax.runners.base import STREAM_CHUNK
+        from specjax.runners.base import SPEC_STREAM_CHUNK, STREAM_CHUNK
         from specjax.runners.serving import run_queued
 
         # The engine scores no logprobs: they come from one teacher-forced pass after generation, as for a batch.
@@ -269,7 +269,7 @@ class LLM:
         on_text = None if stream is None else (lambda r, text: stream(owners[r][0], text))
         with compile_time.watch(compile_time.say) as ct:
             results = run_queued(self, row_ids, plain_rows, spec if spec.enabled else None, cap, on_text,
-                                 step_chunk=STREAM_CHUNK if stream is not None else 32,
+                                 step_chunk=32 if stream is None else SPEC_STREAM_CHUNK if spec.enabled else STREAM_CHUNK,
                                  progress=compile_time.progress_enabled())
         comps = []
         for r, (res, sp) in enumerate(zip(results, rows)):

@@ -36,7 +36,7 @@ class RequestMetrics:
     prompt_tokens: int
     new_tokens: int
     time_to_first_token: float  # seconds: prefill + first token of the batch this request ran in
-    total_time: float  # seconds, end to end for the batch
+    total_time: float  # seconds from the batch's start to this request's last token (`runners.base.row_times`)
     tokens_per_s: float  # new_tokens / total_time
     # Speculative decoding only (None for plain decoding):
     drafted: int | None = None
@@ -434,9 +434,9 @@ def finish_name(finish) -> str:
 
 def build_output(tokenizer, prompt, prompt_ids, new_ids, finish, ttft: float, total: float, *,
                  sampling: SamplingParams | None = None, **spec: Any) -> RequestOutput:
-    """The RequestOutput of one finished row: new_ids the emitted tokens, finish its FINISH_* code, ttft/total
-    seconds of its batch; `spec` the speculative metrics (`spec_metrics`). With `sampling`, its stop strings are
-    applied (`finish_completion`)."""
+    """The RequestOutput of one finished row: new_ids the emitted tokens, finish its FINISH_* code, ttft the
+    batch's time to first token and total this row's end-to-end seconds; `spec` the speculative metrics
+    (`spec_metrics`). With `sampling`, its stop strings are applied (`finish_completion`)."""
     new_ids = [int(t) for t in new_ids]
     metrics = RequestMetrics(
         prompt_tokens=len(prompt_ids), new_tokens=len(new_ids), time_to_first_token=ttft, total_time=total,

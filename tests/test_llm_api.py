@@ -379,3 +379,23 @@ def test_compile_time_reported_apart_and_zero_when_warm():
     # Within the call's wall time (total_time starts at the prefill; compilation can come before it).
     assert 0 < first.compile_time <= wall
     assert again.compile_time == 0.0
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_rows_of_one_batch_get_their_own_end_to_end_time(method):
+    """In one fixed batch a row that stops early reports the time to its own last step, not the batch's: a
+    2-token request next to a 24-token one ends at about 1/23 of the decode, the long one at the batch's end."""
+    config = tiny_config(V, num_layers=1)
+    llm = tiny_llm(config, tiny_params(config, seed=3))
+    spec = None if method is None else {"method": "ngram", "num_speculative_tokens": 3}
+    short, long_ = (SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 24))
+    llm.generate(PROMPTS, [short, long_], spec)  # compiles
+    outs = llm.generate(PROMPTS, [short, long_], spec)
+    ms, ml = outs[0].metrics, outs[1].metrics
+    assert ms.time_to_first_token == ml.time_to_first_token
+    assert ms.time_to_first_token <= ms.total_time < ml.total_time
+    steps = [o.metrics.new_tokens - 1 if o.metrics.target_forwards is None else o.metrics.target_forwards - 1
+             for o in outs]
+    decode = ml.total_time - ml.time_to_first_token
+    assert ms.total_time - ms.time_to_first_token == pytest.approx(decode * steps[0] / steps[1])
+    assert ms.tokens_per_s == pytest.approx(2 / ms.total_time)

@@ -41,9 +41,12 @@ from specjax import compile_time
 from specjax.engine import FINISH_RUNNING
 from specjax.requests import RequestOutput, build_output, check_requests, num_stop, pad_prompts, sampling_arrays
 
-# Steps (plain decode steps, or speculative steps: verify or backed-off plain) per loop call while streaming.
-# Measured with `python -m specjax.tools.stream_bench` on SmolLM2-135M (CPU): see the module docstring there.
+# Steps per loop call while streaming: plain decode steps (STREAM_CHUNK), speculative steps, verify or
+# backed-off plain (SPEC_STREAM_CHUNK). A speculative loop call costs more to enter than a plain one and a
+# speculative step emits tau tokens, so it streams in longer chunks. Measured with `python -m
+# specjax.tools.stream_bench` on SmolLM2-135M (CPU): reports/streaming_cpu/README.md.
 STREAM_CHUNK = 4
+SPEC_STREAM_CHUNK = 8
 
 Event = tuple[int, str]  # (prompt index, new text)
 
@@ -179,8 +182,27 @@ def _outputs(llm, prompts, ids, variant, state, t0: float, ttft: float) -> list[
     total = time.perf_counter() - t0
     new = [out_tokens[i, :num_new[i]].tolist() for i in range(n)]
     extra = variant.finish(state, new)
-    return [build_output(llm.tokenizer, prompts[i], ids[i], new[i], finish[i], ttft, total, **extra[i])
+    ends = row_times(ttft, total, [row_steps(new[i], extra[i]) for i in range(n)])
+    return [build_output(llm.tokenizer, prompts[i], ids[i], new[i], finish[i], ttft, ends[i], **extra[i])
             for i in range(n)]
+
+
+def row_steps(new_ids: list[int], extra: dict) -> int:
+    """Decode steps a row ran after the prefill: its target forwards past the prefill when the variant counts
+    them (speculative: verify + plain steps while it ran), else one per token past the prefill's first."""
+    forwards = extra.get("target_forwards")
+    return max(0, (forwards if forwards is not None else len(new_ids)) - 1)
+
+
+def row_times(ttft: float, total: float, steps: list[int]) -> list[float]:
+    """Each row's own end-to-end seconds inside one fixed batch: the batch's time to first token plus the share
+    of its decode time that ran before the row's last step. The rows step together and every step of the
+    batch costs the same whichever rows still run, so a row that stops at step k of K finished k / K of the
+    way; the longest row gets the batch's whole time."""
+    longest = max(steps, default=0)
+    if longest == 0:
+        return [total] * len(steps)
+    return [ttft + (total - ttft) * k / longest for k in steps]
 
 
 def any_running(dec) -> bool:

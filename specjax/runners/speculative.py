@@ -24,7 +24,7 @@ from specjax.config import SpeculativeConfig
 from specjax.drafters.base import Proposal
 from specjax.drafters.build import SpeculativeConfigError, build_drafter, resolve_draft_path  # noqa: F401
 from specjax.requests import spec_metrics
-from specjax.runners.base import (STREAM_CHUNK, DeviceVariant, chunk_views, generate as run_variant, run_to_end,
+from specjax.runners.base import (SPEC_STREAM_CHUNK, DeviceVariant, chunk_views, generate as run_variant, run_to_end,
                                   stream_events)
 from specjax.runners.runtime import SUFFIX_GLOBAL_SEQS  # noqa: F401  (tests size their own index by it)
 
@@ -44,7 +44,7 @@ class SpecVariant(DeviceVariant):
 
     def __init__(self, llm, drafter, dparams, *, adaptive: Adaptive | None = None,
                  spec: SpeculativeConfig | None = None, profile: bool = False, force_verify: bool = False,
-                 stream: Callable[[int, str], None] | None = None, chunk: int = STREAM_CHUNK):
+                 stream: Callable[[int, str], None] | None = None, chunk: int = SPEC_STREAM_CHUNK):
         self.llm, self.drafter, self.dparams = llm, drafter, dparams
         self.adaptive, self.spec, self.profile, self.force_verify = adaptive, spec, profile, force_verify
         self.stream, self.chunk = stream, chunk
@@ -128,7 +128,7 @@ class SpecVariant(DeviceVariant):
 
 
 def variant_for(llm, spec: SpeculativeConfig, *, profile: bool = False, force_verify: bool = False,
-                stream: Callable[[int, str], None] | None = None, chunk: int = STREAM_CHUNK) -> SpecVariant:
+                stream: Callable[[int, str], None] | None = None, chunk: int = SPEC_STREAM_CHUNK) -> SpecVariant:
     """The SpecVariant of a config: its drafter (cached on the LLM) and back-off rule."""
     drafter, dparams = drafter_for(llm, spec)
     return SpecVariant(llm, drafter, dparams, adaptive=adaptive_rule(drafter, spec), spec=spec, profile=profile,
@@ -137,7 +137,7 @@ def variant_for(llm, spec: SpeculativeConfig, *, profile: bool = False, force_ve
 
 def generate(llm, prompts, ids, params, spec: SpeculativeConfig, *, profile: bool = False,
              force_verify: bool = False, stream: Callable[[int, str], None] | None = None,
-             chunk: int = STREAM_CHUNK):
+             chunk: int = SPEC_STREAM_CHUNK):
     """Speculative generation of `ids` (token lists, one per prompt) for `LLM.generate`. profile: step from the
     host and time draft against verify. force_verify: every step of a device loop verifies, also where the
     drafter found nothing (a lookup miss verifies the root alone; steps the back-off rule turns plain stay
@@ -148,7 +148,7 @@ def generate(llm, prompts, ids, params, spec: SpeculativeConfig, *, profile: boo
     return run_variant(llm, prompts, ids, params, variant)
 
 
-def generate_events(llm, prompts, ids, params, spec: SpeculativeConfig, *, chunk: int = STREAM_CHUNK):
+def generate_events(llm, prompts, ids, params, spec: SpeculativeConfig, *, chunk: int = SPEC_STREAM_CHUNK):
     """`generate` as a generator (`runners.base.stream_events`): yields (prompt_index, new_text) every `chunk`
     steps; its return value (`outs = yield from generate_events(...)`) is generate's list of RequestOutputs."""
     return stream_events(llm, prompts, ids, params, variant_for(llm, spec, chunk=chunk))
