@@ -119,14 +119,22 @@ def hlo(meshes) -> dict:
         return greedy_tokens(out.logits[:, 0], sampling)
 
     def names(text):
+        """The op_name of each consumer of every full-vocabulary all-gather: what the gathered row is for. (XLA
+        names the gather itself after its producer or its consumer depending on the version: jax 0.10 after
+        the cumulative sum reading it, 0.11 after the elementwise maximum feeding it.)"""
+        lines = text.splitlines()
         res = []
-        for line in text.splitlines():
+        for line in lines:
             if " all-gather(" in line or " all-gather-start(" in line:
                 shape = line.split("=", 1)[1].split("all-gather", 1)[0].strip()
                 dims = [int(x) for x in re.findall(r"\d+", shape.split("[", 1)[1].split("]", 1)[0])]
                 if V in dims:
-                    op = re.search(r'op_name="([^"]*)"', line)
-                    res.append(op.group(1) if op else "?")
+                    name = line.split("=", 1)[0].split()[-1]
+                    use = re.compile(re.escape(name) + r"[,)]")
+                    for other in lines:
+                        if use.search(other.split("=", 1)[-1]) and other.split("=", 1)[0].split()[-1:] != [name]:
+                            op = re.search(r'op_name="([^"]*)"', other)
+                            res.append(op.group(1) if op else "?")
         return res
 
     out = {}
