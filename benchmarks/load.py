@@ -2,6 +2,7 @@
 
     python benchmarks/load.py                        # 200 requests x 64 tokens, concurrency 1, 4, 16, plain + ngram
     python benchmarks/load.py --requests 20 --concurrency 4 16 --methods plain ngram --faults
+    python benchmarks/load.py --requests 200 --concurrency 16 --repeat 5 --methods plain --max-tokens 24  # soak
 
 For each method (plain decoding, n-gram speculation) a `specjax serve` subprocess is started on 127.0.0.1 at a
 free port, and for each concurrency level N chat requests (Spec-Bench first turns, greedy, max_tokens 64,
@@ -315,6 +316,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", dest="max_batch", type=int, default=16)
     ap.add_argument("--max-queue", dest="max_queue", type=int, default=32)
     ap.add_argument("--step-chunk", dest="step_chunk", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the levels this many times on one server (a soak: RSS and compiles after each)")
     ap.add_argument("--faults", action="store_true", help="run the fault mix on the last method's server")
     ap.add_argument("--no-batch", dest="batch", action="store_false",
                     help="skip `specjax batch` (then texts are not checked and there is no throughput baseline)")
@@ -322,6 +325,8 @@ def main(argv=None) -> int:
     ap.add_argument("--startup-timeout", dest="startup_timeout", type=float, default=1200)
     ap.add_argument("--out", default=os.path.join(ROOT, "reports", "serve", "load.json"))
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     from specjax.api import LLM
@@ -350,7 +355,9 @@ def main(argv=None) -> int:
             say(f"[{method}] server ready in {ready:.0f} s (load + compile) on {server.url}")
             levels = report["levels"][method] = {"startup_s": round(ready, 1),
                                                  "after_warmup": process_figures(server.metrics())}
-            for c in args.concurrency:
+            rounds = [(c, f"c{c}" if args.repeat == 1 else f"c{c}_{r + 1}")
+                      for r in range(args.repeat) for c in args.concurrency]
+            for c, key in rounds:
                 before = server.metrics()
                 results, wall = asyncio.run(run_level(server.url, prompts, args.max_tokens, c))
                 after = server.metrics()
@@ -358,15 +365,15 @@ def main(argv=None) -> int:
                 s = summarize(results, ref, wall)
                 s["metrics_match"] = counters_match(before, after, results)
                 s["process"] = process_figures(after)
-                levels[f"c{c}"] = s
-                say(f"[{method}] c={c}: {s['completed']}/{s['requests']} ok, {len(s['mismatches'])} mismatches, "
+                levels[key] = s
+                say(f"[{method}] {key}: {s['completed']}/{s['requests']} ok, {len(s['mismatches'])} mismatches, "
                     f"{s['tokens_per_s']:.1f} tok/s, TTFT p50 {_ms(s['ttft_p50_s'])} p99 {_ms(s['ttft_p99_s'])}, "
                     f"latency p50 {_ms(s['latency_p50_s'])} p99 {_ms(s['latency_p99_s'])}"
                     + (f", tau {s['tau']}" if "tau" in s else "")
                     + f", /metrics match {s['metrics_match']['ok']}, RSS {s['process']['rss_mb']} MB, "
                       f"compiles {s['process']['jit_compiles']}")
             if args.batch:
-                top = levels[f"c{max(args.concurrency)}"]
+                top = levels[[key for c, key in rounds if c == max(args.concurrency)][-1]]
                 levels["vs_batch"] = round(top["tokens_per_s"] / report["batch"]["tokens_per_s"], 3)
                 say(f"[{method}] c={max(args.concurrency)} throughput / specjax batch = {levels['vs_batch']:.2f}")
             if args.faults and mi == len(args.methods) - 1:
@@ -412,7 +419,8 @@ def markdown(report: dict) -> str:
         for key, s in levels.items():
             if not (key.startswith("c") and isinstance(s, dict)):
                 continue
-            lines.append(f"| {method} | {key[1:]} | {s['completed']}/{s['requests']} | {len(s['mismatches'])} | "
+            level = key[1:].replace("_", ", round ")
+            lines.append(f"| {method} | {level} | {s['completed']}/{s['requests']} | {len(s['mismatches'])} | "
                          f"{s['tokens_per_s']:.1f} | {_ms(s['ttft_p50_s'])} | {_ms(s['ttft_p99_s'])} | "
                          f"{_ms(s['latency_p50_s'])} | {_ms(s['latency_p99_s'])} | {s.get('tau', '-')} | "
                          f"{s['metrics_match']['ok']} | {s['process']['rss_mb']} | {s['process']['jit_compiles']} |")
