@@ -84,11 +84,19 @@ def validate_prefix_attention_inputs(q, k_cache, v_cache, k_new, v_new, lengths,
             raise PrefixAttentionInputError(f"{name} must be floating point, got {np.dtype(a.dtype).name}")
 
 
+def as_cached(x: jax.Array, cache: jax.Array) -> jax.Array:
+    """New entries x as a cache of `cache`'s dtype holds them, in float32: rounded to bfloat16 for a bfloat16 cache.
+    A token then attends to an earlier token of its own verify block exactly as to one already in the cache."""
+    return x.astype(cache.dtype).astype(jnp.float32)
+
+
 def prefix_attention_reference(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, *, scale: float):
     """The kernel's contract in plain jnp, float32 math: token t of sequence b attends to cache slots
     s < clip(lengths[b], 0, S) and to new tokens j with tree_mask[b, t, j]; a token that sees nothing gets zeros.
-    Shapes as in `validate_prefix_attention_inputs`; returns [B, T, Hq, D] float32."""
+    The new keys and values are attended to as the cache will hold them (`as_cached`). Shapes as in
+    `validate_prefix_attention_inputs`; returns [B, T, Hq, D] float32."""
     f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+    k_new, v_new = as_cached(k_new, k_cache), as_cached(v_new, v_cache)
     B, T, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     qg = q.astype(f32).reshape(B, T, Hkv, Hq // Hkv, D)
@@ -110,7 +118,8 @@ def _ffi(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale):
     out = jax.ShapeDtypeStruct(q.shape, f32)
     # vmap over a leading axis runs the kernel once per element: the cache is never broadcast.
     return jax.ffi.ffi_call(FFI_TARGET, out, vmap_method="sequential")(
-        q.astype(f32), k_cache, v_cache, k_new.astype(f32), v_new.astype(f32), lengths.astype(jnp.int32),
+        q.astype(f32), k_cache, v_cache, as_cached(k_new, k_cache), as_cached(v_new, v_cache),
+        lengths.astype(jnp.int32),
         tree_mask, scale=np.float32(scale))
 
 
@@ -148,7 +157,8 @@ prefix_attention = jax.jit(_prefix_attention, static_argnames=("scale",))
 prefix_attention.__doc__ = """Attention of T new tokens over the committed cache and themselves through the C++ kernel.
 
 q [B, T, Hq, D]; k_cache/v_cache [B, Hkv, S, D] float32 or bfloat16, slots s < lengths[b] visible to every new
-token; k_new/v_new [B, T, Hkv, D] (not yet in the cache); lengths [B] int; tree_mask [B, T, T] bool; scale
+token; k_new/v_new [B, T, Hkv, D] (not yet in the cache; attended to as the cache will hold them, `as_cached`);
+lengths [B] int; tree_mask [B, T, T] bool; scale
 (static) -> [B, T, Hq, D] float32. Jitted entry point for direct use; the model calls `attention`. No donation: the
 cache is only read. Raises PrefixAttentionInputError on bad shapes or dtypes, KernelBuildError without a compiler.
 CPU platform only."""

@@ -16,6 +16,9 @@ prompt + common prefix): a gap <= 1e-4 is a numerical tie (two tokens equally li
 a warning), anything larger fails with the prompt id, position and gap. SPECJAX_EXACT_PROMPTS=n runs only the
 first n prompts, SPECJAX_EXACT_NEW=k decodes k tokens, SPECJAX_EXACT_METHODS=a,b and SPECJAX_EXACT_BATCHES=4 select
 parametrizations (CI runs a reduced configuration within its time limit; the full one is the default).
+SPECJAX_EXACT_SETTING picks the target's weights: float32 (the default), bfloat16, or a quantization of
+`LLM(quantization=...)` (int8, int4, gguf, w8a8), optionally with `+kv8` for the int8 KV cache; speculation is then
+compared with plain decoding of the same quantized target (heads and drafts stay as shipped).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ N_PROMPTS = int(os.environ.get("SPECJAX_EXACT_PROMPTS", "40"))
 # CI runs a smaller configuration (see .ci/run); unset, the test is the full one the issue asks for.
 ONLY_METHODS = [m for m in os.environ.get("SPECJAX_EXACT_METHODS", "").split(",") if m]
 ONLY_BATCHES = [int(b) for b in os.environ.get("SPECJAX_EXACT_BATCHES", "").split(",") if b]
+SETTING = os.environ.get("SPECJAX_EXACT_SETTING", "float32")
 TIE_GAP = 1e-4
 WIDTHS = (128, 1024)  # prompt buckets; the KV capacity of each is the next multiple of 128 that fits
 MAX_NODES = 33  # verify slots reserved beyond prompt + MAX_NEW (EAGLE's default tree: 32 drafted + the root)
@@ -88,7 +92,14 @@ def shipped_heads_config(method: str) -> SpeculativeConfig | None:
 def llm():
     from specjax.api import LLM
 
-    return LLM(dtype="float32")
+    weights, _, kv = SETTING.partition("+")
+    if kv not in ("", "kv8"):
+        raise AssertionError(f"SPECJAX_EXACT_SETTING={SETTING!r}: the only suffix is '+kv8'")
+    dtype = "bfloat16" if weights == "bfloat16" else "float32"
+    quantization = None if weights in ("float32", "bfloat16") else weights
+    print(f"\ntest_spec_exactness: target {SETTING} (dtype {dtype}, quantization {quantization}, "
+          f"KV cache {'int8' if kv else dtype})")
+    return LLM(dtype=dtype, quantization=quantization, kv_cache_dtype="int8" if kv else None)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +142,8 @@ def decode_all(llm, prompts, batch: int, method: str | None):
     for chunk in batches(prompts, batch):
         ids = [prompts[i][2] for i in chunk]
         width = next(w for w in WIDTHS if max(map(len, ids)) <= w)
-        buckets = engine.Buckets(batch, width, MAX_NEW, -(-(width + MAX_NEW + MAX_NODES) // 128) * 128)
+        buckets = engine.Buckets(batch, width, MAX_NEW, -(-(width + MAX_NEW + MAX_NODES) // 128) * 128,
+                                 kv_dtype=llm.kv_cache_dtype)
         sampling = llm.sampling_arrays([SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)] * len(ids),
                                        batch, buckets.num_stop)
         if method is None:

@@ -12,12 +12,14 @@
 //   (clipped to [0, S] here); tree_mask [B, T, T] bool (token t sees new token j); attribute scale.
 //   Output [B, T, Hq, D] float32. A query that sees nothing gets zeros.
 //
-// Work: items are (sequence, KV head, block of kSlotBlock prefix slots); the first block of each pair also takes
-// the new tokens. Each item scores all G * T queries of its KV head against its slots with the register tiles of
-// tiles.h (so K is read once per item, not once per query), exponentiates, and accumulates its part of the output
-// with running max, sum and weighted V. The parts of a pair are merged in block order: the result does not depend
+// Work: items are (sequence, KV head, block of kSlotBlock slots), the slots counted as they will be once the new
+// tokens are written, so each new token lands in the block (and column) it will occupy in the cache. Each item
+// scores all G * T queries of its KV head against its slots with the register tiles of tiles.h (so K is read once
+// per item, not once per query), exponentiates, and accumulates its part of the output with running max, sum and
+// weighted V. The parts of a pair are merged in block order: the result does not depend
 // on how many threads ran or which item ran where. Small calls run on the calling thread alone, because waking
 // XLA's pool costs more than the work.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -84,6 +86,27 @@ inline void score_block(const Dims& d, const float* qf, const float*, const floa
 inline void score_block(const Dims& d, const float*, const float* qs, const uint16_t* keys, int64_t rows, float* sc,
                         int64_t stride) {
   row_range<BF16Weights>(qs, keys, sc, d.N, d.D, stride, 0, rows);
+}
+
+// The block's new keys against the N queries, scored by the tile the cache's keys go through: a float32 cache's
+// or, for a bfloat16 cache, the bfloat16 tile over the keys as the cache will hold them (the caller rounds them
+// to bfloat16 first). A key then scores the same whether it is still a new token of a verify block or already in
+// the cache, so a plain step and a verify block of a bfloat16 model see the same scores.
+inline void score_new(const Dims& d, const float* qf, const float* qs, const float* knew, int64_t count, float* sc,
+                      int64_t stride, const float*) {
+  score_block(d, qf, qs, knew, count, sc, stride);
+}
+
+inline void score_new(const Dims& d, const float* qf, const float* qs, const float* knew, int64_t count, float* sc,
+                      int64_t stride, const uint16_t*) {
+  thread_local std::vector<uint16_t> k16;
+  k16.resize(size_t(count * d.D));
+  for (int64_t i = 0; i < count * d.D; ++i) {
+    uint32_t u;
+    std::memcpy(&u, knew + i, sizeof(u));
+    k16[size_t(i)] = uint16_t(u >> 16);  // exact: the values are bfloat16 widened
+  }
+  score_block(d, qf, qs, k16.data(), count, sc, stride);
 }
 
 inline float value_at(const float* p) { return *p; }
@@ -179,10 +202,15 @@ template <typename KV>
 void attend_item(const Dims& d, int64_t b, int64_t h, int64_t blk, int64_t L, const float* q, const KV* kc,
                  const KV* vc, const float* kn, const float* vn, const bool* tree, float scale, Part part,
                  std::vector<float>& buf) {
-  const int64_t s0 = blk * kSlotBlock, s1 = std::min(L, s0 + kSlotBlock);
-  const int64_t rows = std::max<int64_t>(0, s1 - s0);
-  const bool with_new = blk == 0;
-  const int64_t cols = rows + (with_new ? d.T : 0);
+  // Block blk covers slots [s0, s1) of the sequence as it will be once the new tokens are written (new token j at
+  // slot L + j): its committed slots, then the new tokens that fall in it, at the columns they will have there.
+  // A token is then scored, exponentiated and summed in the same block, column and order whether it is a new
+  // token of this call or already in the cache, so a chain verified in one block gives the one-token steps' sums.
+  const int64_t s0 = blk * kSlotBlock, s1 = s0 + kSlotBlock;
+  const int64_t rows = std::max<int64_t>(0, std::min(L, s1) - s0);
+  const int64_t j0 = std::clamp<int64_t>(s0 - L, 0, d.T), j1 = std::clamp<int64_t>(s1 - L, 0, d.T);
+  const int64_t fresh = j1 - j0;
+  const int64_t cols = rows + fresh;
   const int64_t stride = cols + (-cols & (kLanes - 1));
   buf.resize(size_t(2 * d.N * d.D + d.N * stride + 2 * d.T * d.D));
   float* qf = buf.data();
@@ -195,25 +223,25 @@ void attend_item(const Dims& d, int64_t b, int64_t h, int64_t blk, int64_t L, co
     std::memcpy(qf + t * d.G * d.D, q + ((b * d.T + t) * d.Hq + h * d.G) * d.D, sizeof(float) * d.G * d.D);
   if (sizeof(KV) == 2) deinterleave(qf, qs, d.N, d.D);
   std::fill(part.o, part.o + d.N * d.D, 0.f);
-  const KV* kh = kc + ((b * d.Hkv + h) * d.S + s0) * d.D;
-  const KV* vh = vc + ((b * d.Hkv + h) * d.S + s0) * d.D;
+  const KV* kh = kc + ((b * d.Hkv + h) * d.S + std::min(s0, d.S)) * d.D;
+  const KV* vh = vc + ((b * d.Hkv + h) * d.S + std::min(s0, d.S)) * d.D;
   if (rows > 0) score_block(d, qf, qs, kh, rows, sc, stride);
-  if (with_new) {
-    for (int64_t j = 0; j < d.T; ++j) {
-      std::memcpy(knew + j * d.D, kn + ((b * d.T + j) * d.Hkv + h) * d.D, sizeof(float) * d.D);
-      std::memcpy(vnew + j * d.D, vn + ((b * d.T + j) * d.Hkv + h) * d.D, sizeof(float) * d.D);
+  if (fresh > 0) {
+    for (int64_t j = j0; j < j1; ++j) {
+      std::memcpy(knew + (j - j0) * d.D, kn + ((b * d.T + j) * d.Hkv + h) * d.D, sizeof(float) * d.D);
+      std::memcpy(vnew + (j - j0) * d.D, vn + ((b * d.T + j) * d.Hkv + h) * d.D, sizeof(float) * d.D);
     }
-    score_block(d, qf, qf, knew, d.T, sc + rows, stride);
+    score_new(d, qf, qs, knew, fresh, sc + rows, stride, static_cast<const KV*>(nullptr));
     const float ninf = -std::numeric_limits<float>::infinity();
     for (int64_t n = 0; n < d.N; ++n) {
       const bool* sees = tree + (b * d.T + n / d.G) * d.T;
-      for (int64_t j = 0; j < d.T; ++j)
-        if (!sees[j]) sc[n * stride + rows + j] = ninf;
+      for (int64_t j = j0; j < j1; ++j)
+        if (!sees[j]) sc[n * stride + rows + (j - j0)] = ninf;
     }
   }
   softmax_rows(d, sc, stride, cols, scale, part);
   if (rows > 0) accumulate(d, sc, stride, vh, rows, part.o);
-  if (with_new) accumulate(d, sc + rows, stride, vnew, d.T, part.o);
+  if (fresh > 0) accumulate(d, sc + rows, stride, vnew, fresh, part.o);
 }
 
 template <typename KV>
@@ -224,7 +252,8 @@ void run(ffi::ThreadPool& pool, const Dims& d, const float* q, const KV* kc, con
   int64_t work = 0;
   for (int64_t b = 0; b < d.B; ++b) {
     len[b] = std::min<int64_t>(std::max<int64_t>(lengths[b], 0), d.S);
-    blocks[b] = std::max<int64_t>(1, (len[b] + kSlotBlock - 1) / kSlotBlock);
+    // Blocks over the slots the sequence will have with the new tokens written (see attend_item).
+    blocks[b] = std::max<int64_t>(1, (len[b] + d.T + kSlotBlock - 1) / kSlotBlock);
     first[b + 1] = first[b] + d.Hkv * blocks[b];
     work += d.Hkv * (len[b] + d.T) * d.N;
   }

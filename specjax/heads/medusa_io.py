@@ -269,6 +269,9 @@ def _load_vllm(path: str, layout: str):
     params = {"blocks": blocks}
     if lm_head == "shared":
         params["lm_head"] = _get(t, "lm_heads.0.weight", where)
+        if params["lm_head"].ndim != 2 or params["lm_head"].shape[1] != H:
+            raise MedusaFormatError(f"{where}: the shared LM head lm_heads.0.weight must be [vocab, hidden={H}], got "
+                                    f"{tuple(params['lm_head'].shape)}")
         known.add("lm_heads.0.weight")
     elif lm_head == "per_head":
         lms = [_get(t, f"lm_heads.{h}.weight", where) for h in range(K)]

@@ -415,6 +415,25 @@ def test_vllm_layout_round_trip(tmp_path, bias, shared, truncated, prefix):
         assert c[k] == cfg_json[k], k
 
 
+@pytest.mark.parametrize("truncated", [False, True])
+def test_vllm_shared_lm_head_of_the_wrong_rank_is_a_clear_error(tmp_path, truncated):
+    # Found by the file fuzzer: a 1-D shared LM head next to a token_map reached `shape[-2]` (IndexError).
+    rng = np.random.default_rng(5)
+    Vd = 10 if truncated else V_IO
+    t = {"blocks.0.layers.0.weight": _rand(rng, H_IO, H_IO), "lm_heads.0.weight": _rand(rng, Vd * H_IO)}
+    if truncated:
+        t["token_map"] = np.arange(Vd, dtype=np.int64)
+    d = tmp_path / "vllm"
+    d.mkdir()
+    _st_save(t, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": H_IO, "vocab_size": V_IO,
+        "num_heads": 1, "num_hidden_layers": 1, "truncated_vocab_size": Vd, "original_lm_head": True}))
+    with pytest.raises(MedusaFormatError) as e:
+        load_medusa(str(d), H_IO, V_IO)
+    assert f"lm_heads.0.weight must be [vocab, hidden={H_IO}]" in _one_line(e) and f"({Vd * H_IO},)" in str(e.value)
+
+
 def test_specjax_layout_stores_no_lm_head_and_exports_to_vllm(tmp_path, target):
     config, params = target
     rng = np.random.default_rng(4)

@@ -60,6 +60,25 @@ def test_kernel_matches_reference(B, T, Hq, Hkv, S, D, lengths, cache_dtype):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("L", [40, 125, 254])  # inside one 128-slot block, and chains crossing a block boundary
+def test_a_chain_in_one_call_equals_one_token_steps_bit_for_bit(cache_dtype, L):
+    """Token t of a chain verified in one call attends exactly as a one-token step does once tokens < t are in the
+    cache: same scores (the new keys as the cache holds them), same block and column, same order of sums. Plain
+    greedy decoding and greedy verification then agree bit for bit, in float32 and bfloat16."""
+    B, T, Hq, Hkv, S, D = 1, 5, 4, 2, 384, 64
+    q, kc, vc, kn, vn, lengths, chain = _inputs(B, T, Hq, Hkv, S, D, [L], cache_dtype, tree=False, seed=3)
+    scale = D ** -0.5
+    block = np.asarray(ca.prefix_attention(q, kc, vc, kn, vn, lengths, chain, scale=scale))
+    for t in range(T):
+        # the cache after t one-token steps: new tokens < t written at slots L..L+t-1, as the cache stores them
+        k_t = kc.at[:, :, L:L + t].set(kn[:, :t].transpose(0, 2, 1, 3).astype(cache_dtype))
+        v_t = vc.at[:, :, L:L + t].set(vn[:, :t].transpose(0, 2, 1, 3).astype(cache_dtype))
+        step = ca.prefix_attention(q[:, t:t + 1], k_t, v_t, kn[:, t:t + 1], vn[:, t:t + 1],
+                                   lengths + t, jnp.ones((B, 1, 1), bool), scale=scale)
+        np.testing.assert_array_equal(np.asarray(step)[:, 0], block[:, t], err_msg=f"token {t}")
+
+
 def test_kernel_matches_the_models_xla_attention():
     # The function the kernel replaces in the model, on a causal chain block.
     q, kc, vc, kn, vn, L, tm = _inputs(2, 5, 9, 3, 300, 64, [140, 7], tree=False)
