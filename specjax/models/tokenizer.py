@@ -33,6 +33,15 @@ MAX_TOKENIZER_JSON_BYTES = 512 << 20
 MAX_TEMPLATE_FILE_BYTES = 4 << 20
 
 
+def _is_utf8(text: str) -> bool:
+    """False for a str holding lone surrogates (JSON allows the escape; UTF-8 and the Rust tokenizer do not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _rust(what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """Call into `tokenizers`; its failures become a TokenizerError saying `what` failed. The Rust side raises
     plain Exception on bad input, and a Rust panic arrives as pyo3's PanicException, a BaseException."""
@@ -368,6 +377,9 @@ class Tokenizer:
                 return None
             if not isinstance(value, str):
                 raise TokenizerError(f"{config_path!r}: {name} must be a token string, got {type(value).__name__}")
+            if not _is_utf8(value):
+                raise TokenizerError(f"{config_path!r}: {name} {value[:40]!r} is not valid Unicode text (it holds a "
+                                     "lone surrogate)")
             token = backend.token_to_id(value)
             if token is None:
                 raise TokenizerError(f"{path!r}: {name} {value[:40]!r} of tokenizer_config.json is not in "

@@ -375,10 +375,29 @@ def test_suffix_greedy_matches_plain(target, plain_greedy):
     assert np.asarray(state2.stats.accepted).sum() > np.asarray(state.stats.accepted).sum()
 
 
-def test_suffix_host_loop_backs_off_and_stays_exact(target, plain_greedy):
+def test_suffix_host_loop_backs_off_and_stays_exact(target, plain_greedy, monkeypatch):
     """The host loop's back-off (a break-even no row reaches, a probe every 3rd step) decodes plainly between
     probes and still equals plain greedy output."""
+    from specjax.runners import speculative
+
     config, params = target
+    # The host loop recalibrates its break-even from the measured cost of a verify step against a plain one. On
+    # a loaded machine those wall times made verification look cheap and the rows kept speculating; a clock that
+    # advances 1 per plain step and 10 per verify step makes the break-even 9 accepted tokens, which no row reaches.
+    clock = [0.0]
+    steps = {"plain_step_jit": 1.0, "verify_accept_jit": 10.0}
+
+    def ticking(name):
+        real = getattr(spec_engine, name)
+
+        def step(*args, **kwargs):
+            clock[0] += steps[name]
+            return real(*args, **kwargs)
+        return step
+
+    for name in steps:
+        monkeypatch.setattr(spec_engine, name, ticking(name))
+    monkeypatch.setattr(speculative, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     drafter = SuffixDrafter(num_speculative_tokens=6, max_tree_depth=4)
     backoff = spec_engine.Adaptive(min_gain=5.0, probe_every=2)
     state, _ = run_suffix(params, config, drafter, BUCKETS, PROMPTS, make_sampling(BATCH, max_new=MAX_NEW),

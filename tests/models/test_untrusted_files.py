@@ -146,6 +146,7 @@ def test_eos_id_past_the_vocabulary_in_generation_config(corpus, tmp_path):
     ({"chat_template": 7}, "chat_template"),
     ({"added_tokens_decoder": {"x": {"content": "a"}}}, "added_tokens_decoder"),
     ({"added_tokens_decoder": {"300": {"content": 5}}}, "non-string"),
+    ({"bos_token": "\udcff"}, "lone surrogate"),  # a JSON escape the fuzzer found: UnicodeEncodeError in tokenizers
 ])
 def test_wrongly_typed_tokenizer_config(corpus, tmp_path, changes, needle):
     d = copy_entry(corpus["hf-llama"], tmp_path)
