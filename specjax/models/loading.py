@@ -317,7 +317,7 @@ def config_from_gguf(reader: GGUFFile, path: str) -> LlamaConfig:
     """A LlamaConfig from GGUF metadata, every value checked (ModelLoadError naming `path`)."""
     E = ModelLoadError
     arch = reader.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise E(f"{path}: unsupported GGUF architecture {str(arch)[:60]!r}; specjax supports "
                 f"{', '.join(GGUF_ARCHITECTURES)}")
     where = f"{path}: GGUF metadata"

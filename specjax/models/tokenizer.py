@@ -386,7 +386,10 @@ class Tokenizer:
                                      "tokenizer.json")
             return token
 
-        vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        # The id space, not the count: a tokenizer.json whose ids have gaps (or one id far past the rest) must not
+        # hand the model ids past what `vocab_size` promises (the load checks it against the embedding's rows).
+        ids = _rust(f"{path!r}: cannot read the vocabulary", backend.get_vocab, with_added_tokens=True).values()
+        vocab_size = max(backend.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
 
         def gen_id(key: str, value: Any) -> int:
             _typed(gen_path, key, value, int, "an integer token id")

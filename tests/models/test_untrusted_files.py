@@ -179,6 +179,19 @@ def test_tokenizer_with_more_tokens_than_the_model_has_rows(corpus, tmp_path):
     check(e, d, "259 tokens", "200 rows")
 
 
+def test_tokenizer_id_far_past_the_rest_is_refused_at_load(corpus, tmp_path):
+    """Found by the fuzzer: one vocabulary id of tokenizer.json moved past the embedding's rows passed the load
+    (the tokenizer counted its tokens, not its id space) and every later decode failed."""
+    d = copy_entry(corpus["hf-llama"], tmp_path)
+    fn = os.path.join(d, "tokenizer.json")
+    tj = json.load(open(fn))
+    tj["model"]["vocab"][next(iter(tj["model"]["vocab"]))] = 65537
+    open(fn, "w").write(json.dumps(tj))
+    with pytest.raises(SpecjaxError) as e:
+        read_model(d)
+    check(e, d, "65538 tokens", "rows")
+
+
 def test_truncation_in_tokenizer_json_is_ignored(corpus, tmp_path):
     """A tokenizer.json that asks to truncate would silently cut every prompt."""
     d = copy_entry(corpus["hf-llama"], tmp_path)
@@ -242,6 +255,9 @@ def test_huge_declared_counts_fail_fast(corpus, tmp_path, what):
     (lambda g: setattr(tensor(g, b"blk.1.ffn_up.weight"), "name", b"blk.1.ffn_gate.weight"), "appears twice"),
     (lambda g: g.kvs.append(KV(b"general.architecture", STRING, b"llama")), "appears twice"),
     (lambda g: g.kvs.append(KV(b"general.alignment", U32, 3)), "power of two"),
+    # found by the fuzzer: an array where the architecture string belongs (TypeError: unhashable type 'list')
+    (lambda g: g.kvs.__setitem__(g.kvs.index(kv(g, b"general.architecture")),
+                                 KV(b"general.architecture", ARRAY, [b"llama"], STRING)), "architecture"),
     (lambda g: g.kvs.append(KV(b"llama.rope.scaling.type", STRING, b"yarn")), "yarn"),
     (lambda g: g.kvs.append(KV(b"nested", ARRAY, [[1]], ARRAY)), "arrays"),
     (lambda g: setattr(kv(g, b"llama.block_count"), "value", 0), "block_count"),
