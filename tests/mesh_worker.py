@@ -4,6 +4,7 @@ keeps its one device, and XLA_FLAGS must be set before jax is imported.
     python tests/mesh_worker.py real  --devices 8 --meshes 1x8,2x4,8x1 --methods plain,ngram,draft_model,eagle3
     python tests/mesh_worker.py tiny  --devices 8 --meshes 1x8,2x4,8x1,4x2
     python tests/mesh_worker.py hlo   --devices 8 --meshes 2x4,1x8
+    python tests/mesh_worker.py serve --devices 8 --meshes 2x4 --methods plain,ngram
 
 Prints one JSON object on its last line: tokens per (mesh, method), or the collectives found in compiled HLO.
 """
@@ -89,6 +90,57 @@ def tiny(meshes) -> dict:
     return out
 
 
+def serve(meshes, methods, max_tokens: int) -> dict:
+    """The real model served on each mesh (`build_server`, uvicorn on 127.0.0.1, the `openai` client): greedy
+    completion texts per method, and `LLM.generate`'s texts on one device: {"single": {method: [text]}, "2x4": ...}.
+    """
+    import openai
+    from serve_helpers import RunningServer
+    from specjax.api import LLM
+    from specjax.config import SamplingParams
+    from specjax.runners.serving import EngineOptions
+    from specjax.serve import build_server
+
+    # completion prompts (no chat template) that the model continues rather than ends at once
+    prompts = ["The three primary colors are", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+    single = LLM()
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0)
+    out = {"single": {m: [o.text for o in single.generate(prompts, sp, speculative_config=METHOD_CONFIGS[m]
+                                                          or {"method": None})] for m in methods}}
+    del single
+    # Which traces of the engine thread ran under the mesh (the model's programs must all do).
+    import threading
+    from specjax.models import llama
+
+    traced = {"on_mesh": 0, "off_mesh": 0}
+    real_under_mesh = llama.under_mesh
+
+    def spy() -> bool:
+        on = real_under_mesh()
+        if threading.current_thread().name == "specjax-engine":
+            traced["on_mesh" if on else "off_mesh"] += 1
+        return on
+
+    llama.under_mesh = spy
+    options = EngineOptions(max_batch=2, max_prompt_tokens=64, max_tokens=max_tokens, max_queue=8, step_chunk=4)
+    for d, m in meshes:
+        llm = LLM(mesh=f"data={d},model={m}")
+        res = {}
+        for method in methods:
+            app, engine = build_server(llm, METHOD_CONFIGS[method], options, model_name="smollm2")
+            server = RunningServer(app, engine)
+            try:
+                client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
+                res[method] = [client.completions.create(model="smollm2", prompt=p, max_tokens=max_tokens,
+                                                         temperature=0).choices[0].text for p in prompts]
+            finally:
+                server.stop()
+                engine.shutdown()
+        out[f"{d}x{m}"] = dict(res, traced=dict(traced))
+        del llm
+    return out
+
+
 def hlo(meshes) -> dict:
     """Collectives of the compiled plain decode loop, of a greedy step alone, and of the speculative loop (draft
     model), for a tiny model with a vocabulary of 768 on each mesh; the op_name of every full-vocabulary
@@ -158,7 +210,7 @@ def hlo(meshes) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("real", "tiny", "hlo"))
+    ap.add_argument("mode", choices=("real", "tiny", "hlo", "serve"))
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--meshes", default="1x8,2x4,8x1")
     ap.add_argument("--methods", default="plain,ngram,draft_model,eagle3")
@@ -170,6 +222,8 @@ def main() -> None:
         res = real(meshes, a.methods.split(","), a.max_tokens)
     elif a.mode == "tiny":
         res = tiny(meshes)
+    elif a.mode == "serve":
+        res = serve(meshes, a.methods.split(","), a.max_tokens)
     else:
         res = hlo(meshes)
     print(json.dumps(res))

@@ -286,6 +286,20 @@ def test_real_model_greedy_on_meshes_equals_one_device():
             assert res[label][method] == single[method], (label, method)
 
 
+@pytest.mark.slow
+def test_server_on_a_mesh_serves_the_single_device_text():
+    """`specjax serve` with a mesh (the real model on (2,4): batch over `data`, heads / MLP / vocabulary over
+    `model`): greedy completions through the `openai` client, plain and n-gram, equal `LLM.generate` on one
+    device."""
+    res = _worker("serve", "--meshes", "2x4", "--methods", "plain,ngram", "--max-tokens", "24")
+    single = res["single"]
+    assert single["ngram"] == single["plain"] and all(single["plain"])
+    for method in ("plain", "ngram"):
+        assert res["2x4"][method] == single[method], method
+    # the engine thread traced the model's programs under the mesh, never outside it
+    assert res["2x4"]["traced"]["on_mesh"] > 0 and res["2x4"]["traced"]["off_mesh"] == 0, res["2x4"]["traced"]
+
+
 # ------------------------------------------------------------------------------------------------ two processes
 
 

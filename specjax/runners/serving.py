@@ -23,6 +23,7 @@ admitted run until a deadline, then cancels the rest.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -198,8 +199,12 @@ class ServingEngine:
         self.spec = SpeculativeConfig.from_user(speculative)
         drafter = dparams = adaptive = None
         extra = 0
+        # A model on a device mesh traces and runs every program under it (`LLM.on_mesh`), here and in the engine
+        # thread: the mesh context is per thread.
+        self._on_mesh = getattr(llm, "on_mesh", contextlib.nullcontext)
         if self.spec.enabled:
-            drafter, dparams = drafter_for(llm, self.spec)
+            with self._on_mesh():
+                drafter, dparams = drafter_for(llm, self.spec)
             if getattr(drafter, "host_side", False):
                 raise RequestError(f"speculative method {self.spec.method!r} drafts on the host and cannot run in "
                                    "the serving batch loop; use ngram, draft_model, medusa, eagle or eagle3")
@@ -214,8 +219,9 @@ class ServingEngine:
                                + f" = {need} exceeds the model's context of {llm.max_context}; lower one of them")
         buckets = make_buckets(1, o.max_prompt_tokens, o.max_tokens, extra_slots=extra, num_stop=o.max_stop_ids,
                                kv_dtype=llm.kv_cache_dtype)
-        self.progs = programs(llm, buckets, o.max_batch, drafter, dparams, adaptive,
-                              self.spec if self.spec.enabled else None)
+        with self._on_mesh():
+            self.progs = programs(llm, buckets, o.max_batch, drafter, dparams, adaptive,
+                                  self.spec if self.spec.enabled else None)
         self.batch = self.progs.bB.batch
         self._filler = SamplingParams(max_new_tokens=1, seed=0)  # sampling values of free slots (never read)
         self._lock = threading.Condition()
@@ -344,21 +350,22 @@ class ServingEngine:
         error: list[BaseException] = []
 
         def main():
-            try:
-                # The back-off break-even at this batch size, measured before any request runs (`calibrate`).
-                self.progs.calibrate(self.llm, self.options.all_options)
-                self._state = self._empty()
-                if warmup:
-                    t = time.perf_counter()
-                    self._warmup()
-                    self.warmup_seconds = time.perf_counter() - t
-            except BaseException as e:  # reported to start()'s caller
-                error.append(e)
-                self.failure = f"warm-up failed: {e}"
+            with self._on_mesh():
+                try:
+                    # The back-off break-even at this batch size, measured before any request runs (`calibrate`).
+                    self.progs.calibrate(self.llm, self.options.all_options)
+                    self._state = self._empty()
+                    if warmup:
+                        t = time.perf_counter()
+                        self._warmup()
+                        self.warmup_seconds = time.perf_counter() - t
+                except BaseException as e:  # reported to start()'s caller
+                    error.append(e)
+                    self.failure = f"warm-up failed: {e}"
+                    ready.set()
+                    return
                 ready.set()
-                return
-            ready.set()
-            self._run()
+                self._run()
 
         self._thread = threading.Thread(target=main, name="specjax-engine", daemon=True)
         self._thread.start()
