@@ -195,10 +195,33 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32, scale: f
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def fixed_order_sum(y: jax.Array, lanes: int = 16) -> jax.Array:
+    """y [..., D] -> [..., 1]: the sum over the last axis in one order whatever the leading shape.
+
+    XLA:CPU picks a reduction's summation order from the whole operand's shape, so the same row summed inside a
+    [4, 1, D] block and inside a [4, 5, D] block can differ in the last bit: a plain step and a verify block then
+    normalise one token differently, which bfloat16 rounding and an int8 KV cache turn into different tokens.
+    Elementwise adds are never reordered, so the sum is a pairwise fold of D/lanes slices of `lanes` values
+    (zero-padded to a power of two), then of the lanes: log2 steps, a fixed tree."""
+    D = y.shape[-1]
+    n = max(1, -(-D // lanes))
+    n2 = 1 << (n - 1).bit_length()
+    y = jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, n2 * lanes - D)]).reshape(*y.shape[:-1], n2, lanes)
+    while y.shape[-2] > 1:
+        h = y.shape[-2] // 2
+        y = y[..., :h, :] + y[..., h:, :]
+    y = y[..., 0, :]
+    while y.shape[-1] > 1:
+        h = y.shape[-1] // 2
+        y = y[..., :h] + y[..., h:]
+    return y
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32 (bf16 variance loses too much), result in x's dtype."""
+    """RMSNorm in float32 (bf16 variance loses too much), result in x's dtype. The mean of squares is summed in a
+    fixed order (`fixed_order_sum`), so a token is normalised bit for bit alike in any block shape."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(fixed_order_sum(xf * xf) / xf.shape[-1] + eps)
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
 
 

@@ -343,3 +343,20 @@ def test_write_kv_offsets_and_drop_past_capacity():
     k, v = write_kv(ck, ck, new, -new, jnp.asarray([1, 4], jnp.int32))
     np.testing.assert_array_equal(np.asarray(k)[:, 0, :, 0], [[0, 1, 2, 3, 0, 0], [0, 0, 0, 0, 4, 5]])
     np.testing.assert_array_equal(np.asarray(v), -np.asarray(k))
+
+
+@pytest.mark.parametrize("D", [576, 64, 100])
+def test_rms_norm_of_a_row_does_not_depend_on_the_block_around_it(D):
+    """A plain step normalises [B, 1, D], a verify block [B, T, D]: the same token must come out bit for bit the
+    same (XLA's reduce sums a row in an order picked from the whole operand's shape; `fixed_order_sum` does not)."""
+    from specjax.models.llama import rms_norm
+
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((4, 5, D)) * rng.uniform(0.01, 3.0, (1, 1, D)), jnp.float32)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.float32)
+    f = jax.jit(lambda a: rms_norm(a, w, 1e-5))
+    block = np.asarray(f(x))
+    np.testing.assert_array_equal(np.asarray(f(x[:, :1])), block[:, :1])
+    np.testing.assert_array_equal(np.asarray(f(x[:1, :1])), block[:1, :1])
+    np.testing.assert_allclose(block, np.asarray(x) / np.sqrt(np.mean(np.asarray(x) ** 2, -1, keepdims=True) + 1e-5)
+                               * np.asarray(w), rtol=1e-5)
