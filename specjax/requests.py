@@ -10,7 +10,6 @@ Pure functions of what they need (tokenizer, vocabulary size, context length); n
 from __future__ import annotations
 
 import dataclasses
-import re
 import secrets
 from typing import Any, Mapping, Sequence
 
@@ -20,6 +19,7 @@ import numpy as np
 from specjax.config import SamplingParams
 from specjax.engine import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 from specjax.errors import SpecjaxError
+from specjax.models.tokenizer import lone_surrogate
 from specjax.sampling import SamplingArrays
 
 FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ERROR: "error"}
@@ -148,13 +148,10 @@ def _refuse_bytes(prompt) -> None:
                            "ids as a list of ints")
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def check_text(text: str, where: str) -> str:
     """Raise RequestError for text that is not valid Unicode (a lone surrogate, which UTF-8 cannot encode and
     the tokenizer would reject with an internal message); return the text."""
-    bad = _SURROGATE.search(text)
+    bad = lone_surrogate(text)
     if bad:
         raise RequestError(f"{where} contains a lone surrogate (U+{ord(bad.group()):04X}) at character "
                            f"{bad.start()}, which is not valid Unicode; fix the text's encoding (e.g. decode with "

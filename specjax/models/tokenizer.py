@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,13 +34,13 @@ MAX_TOKENIZER_JSON_BYTES = 512 << 20
 MAX_TEMPLATE_FILE_BYTES = 4 << 20
 
 
-def _is_utf8(text: str) -> bool:
-    """False for a str holding lone surrogates (JSON allows the escape; UTF-8 and the Rust tokenizer do not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> re.Match | None:
+    """The first lone surrogate in `text`, or None. JSON and Python strings allow them; UTF-8 and the Rust
+    tokenizer do not (its message is internal), so text is checked before it reaches the tokenizer."""
+    return _SURROGATE.search(text)
 
 
 def _rust(what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -377,7 +378,7 @@ class Tokenizer:
                 return None
             if not isinstance(value, str):
                 raise TokenizerError(f"{config_path!r}: {name} must be a token string, got {type(value).__name__}")
-            if not _is_utf8(value):
+            if lone_surrogate(value):
                 raise TokenizerError(f"{config_path!r}: {name} {value[:40]!r} is not valid Unicode text (it holds a "
                                      "lone surrogate)")
             token = backend.token_to_id(value)
