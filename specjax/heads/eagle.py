@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kv_cache import KVCache, init_cache, write_kv
-from specjax.models.llama import LlamaConfig, apply_rope, lm_head, reference_attention, rms_norm, rope_inv_freq
+from specjax.models.llama import (LlamaConfig, apply_rope, einsum_f32, lm_head, reference_attention, rms_norm,
+                                  rope_inv_freq)
 from specjax.errors import SpecjaxError
 
 KINDS = ("eagle", "eagle3")
@@ -295,7 +296,7 @@ def head_logits(params: dict, cfg: HeadConfig, target_head: dict, hidden: jax.Ar
     if cfg.kind == "eagle":
         return lm_head(target_head, hidden)
     h = rms_norm(hidden, params["norm"], cfg.rms_norm_eps)
-    return jnp.matmul(h, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+    return einsum_f32("...h,hv->...v", h, params["lm_head"].astype(h.dtype))
 
 
 def to_target_ids(params: dict, cfg: HeadConfig, idx: jax.Array) -> jax.Array:
@@ -341,18 +342,16 @@ def unrolled_hidden(params: dict, cfg: HeadConfig, embed: jax.Array, tokens: jax
                 kd[i].append(k)
                 vd[i].append(v)
             qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim)
-            s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0[i], preferred_element_type=jnp.float32) * scale
+            s0 = einsum_f32("btkgd,bskd->bkgts", qg, k0[i]) * scale
             s0 = jnp.where(causal[None, None, None], s0, -jnp.inf)
             parts = [s0]
             for kk in kd[i]:
-                parts.append(jnp.einsum("btkgd,btkd->bkgt", qg, kk, preferred_element_type=jnp.float32)[..., None]
+                parts.append(einsum_f32("btkgd,btkd->bkgt", qg, kk)[..., None]
                              * scale)
             w = jax.nn.softmax(jnp.concatenate(parts, axis=-1), axis=-1)
-            o = jnp.einsum("bkgts,bskd->btkgd", w[..., :T].astype(v0[i].dtype), v0[i],
-                           preferred_element_type=jnp.float32)
+            o = einsum_f32("bkgts,bskd->btkgd", w[..., :T].astype(v0[i].dtype), v0[i])
             for n, vv in enumerate(vd[i]):
-                o = o + jnp.einsum("bkgt,btkd->btkgd", w[..., T + n].astype(vv.dtype), vv,
-                                   preferred_element_type=jnp.float32)
+                o = o + einsum_f32("bkgt,btkd->btkgd", w[..., T + n].astype(vv.dtype), vv)
             x = _finish_layer(lp, cfg, residual, o.reshape(B, T, -1).astype(x.dtype))
         outs.append(x)
         h = x

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.llama import lm_head
+from specjax.models.llama import einsum_f32, lm_head
 from specjax.errors import SpecjaxError
 
 LM_HEADS = ("target", "shared", "per_head")
@@ -157,7 +157,7 @@ def check_params(config: MedusaConfig, params: dict) -> None:
 def residual_blocks(layers, x: jax.Array) -> jax.Array:
     """One head's blocks: x [..., H] -> [..., H], each x <- x + SiLU(x @ w + b)."""
     for blk in layers:
-        y = jnp.matmul(x, blk["w"], preferred_element_type=jnp.float32)
+        y = einsum_f32("...h,hk->...k", x, blk["w"])
         if "b" in blk:
             y = y + blk["b"].astype(jnp.float32)
         x = (x.astype(jnp.float32) + jax.nn.silu(y)).astype(x.dtype)
@@ -179,7 +179,7 @@ def head_logits(hidden: jax.Array, lm: jax.Array) -> jax.Array:
     if lm.ndim == 2:
         return lm_head({"embed": lm}, hidden)  # the [Vd, H]-first product (see llama.lm_head)
     k = hidden.shape[-2]
-    return jnp.einsum("...kh,kvh->...kv", hidden, lm[:k], preferred_element_type=jnp.float32)
+    return einsum_f32("...kh,kvh->...kv", hidden, lm[:k])
 
 
 def top_candidates(logits: jax.Array, k: int, token_map: jax.Array | None = None) -> jax.Array:

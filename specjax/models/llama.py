@@ -195,6 +195,19 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32, scale: f
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """jnp.einsum(spec, a, b) with float32 products and sums, whatever the operands' dtype.
+
+    XLA:CPU fuses a half-precision dot that returns float32 with the reduction after it (a log-softmax, an
+    attention softmax) into one fused call whose dot then fails at run time ("Unsupported element type for
+    DotThunk::Execute: BF16 x BF16 = F32", the EAGLE-3 head at batch 4). On CPU the operands are widened first:
+    a bfloat16 or float16 product is exact in float32, so only the path changes, not the value of a product."""
+    if jax.default_backend() == "cpu":
+        a = a.astype(jnp.float32) if a.dtype in (jnp.bfloat16, jnp.float16) else a
+        b = b.astype(jnp.float32) if b.dtype in (jnp.bfloat16, jnp.float16) else b
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def fixed_order_sum(y: jax.Array, lanes: int = 16) -> jax.Array:
     """y [..., D] -> [..., 1]: the sum over the last axis in one order whatever the leading shape.
 
@@ -283,12 +296,12 @@ def reference_attention(q, k, v, mask, scale):
     B, T, Hq, D = q.shape
     Hkv = k.shape[1]
     qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = einsum_f32("btkgd,bksd->bkgts", qg, k) * scale
     s = jnp.where(mask[:, None, None, :, :], s, -jnp.inf)
     w = jax.nn.softmax(s, axis=-1)
     # A row with no visible key (padding queries) gives NaN from softmax; zero it so it never spreads.
     w = jnp.where(jnp.isnan(w), 0.0, w).astype(v.dtype)
-    o = jnp.einsum("bkgts,bksd->btkgd", w, v, preferred_element_type=jnp.float32)
+    o = einsum_f32("bkgts,bksd->btkgd", w, v)
     return o.reshape(B, T, Hq, D).astype(q.dtype)
 
 
@@ -477,7 +490,7 @@ def lm_head(params: dict, x: jax.Array) -> jax.Array:
     if "lm_head_q" in params:  # a quantized LM head [V, H] (specjax.models.quant.quantize_params(lm_head=True))
         return quant.linear(x, params["lm_head_q"], out_dtype=jnp.float32, allow_kernel=not under_mesh())
     if "lm_head" in params:
-        return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
+        return einsum_f32("...h,hv->...v", x, params["lm_head"])
     # The embedding [V, H] goes first in the product, giving [V, N] and a transpose: XLA:CPU then runs one
     # weight-streaming kernel, where x @ embed.T took a small-M matrix-product path that cost about twice as
     # much for the 5-13 token verify blocks (SmolLM2's 28M-parameter head: 26 -> 12 ms at 8 tokens).
