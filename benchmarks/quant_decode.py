@@ -12,8 +12,9 @@ bytes per token (the model's dtype, and int8 entries with one float32 scale per 
 --quality-prompts Spec-Bench prompts (turns[0], chat template): greedy token agreement with float32 (the share of
 positions before the first difference, and exact-match prompts) and the largest logit difference of one forward
 over the prompt. Settings: float32, bfloat16 (float weights), int8, int4 (float32 activations), gguf (the file's
-own Q8_0 / Q4_0 / Q4_1 blocks), w8a8 (int8 weights and activations through Qwix); any of them with "+kv8" adds the
-int8 KV cache. --llama-cpp: llama.cpp (llama-cpp-python, in a child process) decodes the same GGUF file on the same
+own Q8_0 / Q4_0 / Q4_1 blocks, its LM head too when the file stores it so), w8a8 (int8 weights and activations
+through Qwix); "+lmq" / "+lmf" quantize the LM head too / keep it float (default: the setting's own, LLM's
+quantize_lm_head=None), and "+kv8" adds the int8 KV cache. --llama-cpp: llama.cpp (llama-cpp-python, in a child process) decodes the same GGUF file on the same
 prompts before the first setting and after the last (its drift), at batch 1: decode tokens/s is (tokens - 1) over
 the time after the first token, the median over the prompts.
 """
@@ -34,6 +35,7 @@ import numpy as np
 SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
 SETTINGS = ("float32", "bfloat16", "int8", "int4", "gguf", "w8a8")
 KV8 = "+kv8"
+LM_HEAD = {"+lmq": True, "+lmf": False}  # the LM head quantized like the layers, or kept float
 
 
 def _decode_module():
@@ -44,20 +46,32 @@ def _decode_module():
     return mod
 
 
+def parse_setting(setting: str) -> tuple[str, bool | None, bool]:
+    """'int8+lmq+kv8' -> (base 'int8', quantize_lm_head True, int8 KV cache True)."""
+    base, *flags = setting.split("+")
+    unknown = [f for f in flags if "+" + f not in LM_HEAD and "+" + f != KV8]
+    if base not in SETTINGS or unknown or len(flags) != len(set(flags)):
+        raise argparse.ArgumentTypeError(
+            f"unknown setting {setting!r}: one of {', '.join(SETTINGS)}, each optionally with {' or '.join(LM_HEAD)} "
+            f"(the LM head quantized / float; default: the setting's own) and {KV8}")
+    lm = [LM_HEAD["+" + f] for f in flags if "+" + f in LM_HEAD]
+    if len(lm) > 1:
+        raise argparse.ArgumentTypeError(f"setting {setting!r}: {' and '.join(LM_HEAD)} exclude each other")
+    return base, (lm[0] if lm else None), KV8[1:] in flags
+
+
 def make_llm(setting: str, model: str, group_size: int):
     from specjax.api import LLM
 
-    base = setting.removesuffix(KV8)
+    base, lm_head, kv8 = parse_setting(setting)
     dtype = "bfloat16" if base == "bfloat16" else "float32"
     quantization = base if base in ("int8", "int4", "gguf", "w8a8") else None
     return LLM(model, dtype, quantization=quantization, quantization_group_size=group_size,
-               kv_cache_dtype="int8" if setting.endswith(KV8) else None)
+               quantize_lm_head=lm_head, kv_cache_dtype="int8" if kv8 else None)
 
 
 def setting_name(value: str) -> str:
-    if value.removesuffix(KV8) not in SETTINGS:
-        raise argparse.ArgumentTypeError(f"unknown setting {value!r}: one of {', '.join(SETTINGS)}, each optionally "
-                                         f"with {KV8}")
+    parse_setting(value)
     return value
 
 

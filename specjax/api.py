@@ -43,6 +43,7 @@ class LLM:
     speculative_config = SpeculativeConfig()
     max_num_seqs: int | None = None
     quantization: str | None = None
+    quantized_lm_head = False
     kv_cache_dtype: str | None = None
     mesh_plan = None  # a specjax.mesh.ShardingPlan when the model runs over a device mesh
 
@@ -51,7 +52,7 @@ class LLM:
                  max_num_seqs: int | None = 256, backend: str = "auto", attention_impl: str = "auto",
                  max_context: int | None = None, attention_interpret: bool = False, mesh=None,
                  quantization: str | None = None, quantization_group_size: int = 32,
-                 kv_cache_dtype: str | None = None):
+                 quantize_lm_head: bool | None = None, kv_cache_dtype: str | None = None):
         """dtype: 'float32' | 'bfloat16', or 'auto' (the checkpoint's own: config.json's dtype / torch_dtype for
         a Hugging Face directory, so bf16 stays bf16; float32 for GGUF files); `self.dtype` is the one loaded.
         speculative_config: the default of every generate / chat call (None: plain decoding); a call's own
@@ -69,7 +70,8 @@ class LLM:
         quantization: None (float weights in `dtype`), 'int8' (per output channel), 'int4' (an asymmetric scale
         per quantization_group_size inputs), 'gguf' (a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks) or 'w8a8'
         (int8 weights and activations through Qwix: lossy, for int8 matrix units) for the target's layer projections (specjax.models.quant); speculation runs on top unchanged, and greedy output
-        stays that of the same quantized target. kv_cache_dtype: None (the target's KV cache in `dtype`), or 'int8'
+        stays that of the same quantized target. quantize_lm_head: the LM head too (None: with 'gguf' when the file
+        stores it as Q8_0 / Q4_0 / Q4_1, as llama.cpp reads it; float with the other settings). kv_cache_dtype: None (the target's KV cache in `dtype`), or 'int8'
         (int8 entries with a scale per token and KV head, specjax.kv_cache; on one device, not under the Neuron
         policy); speculation stays exact: greedy output is that of plain decoding over the same int8 cache. The
         drafters' own caches stay in their dtype."""
@@ -89,6 +91,7 @@ class LLM:
         from specjax.models import quant
 
         quant.check_quantization(quantization)
+        quant.check_lm_head(quantization, quantize_lm_head)
         check_kv_dtype(kv_cache_dtype)
         if kv_cache_dtype is not None and backend == "neuron":
             # The Neuron policy compiles its own bucket table (backends.neuron), whose caches are in the params' dtype.
@@ -100,10 +103,12 @@ class LLM:
                               "only): drop mesh or kv_cache_dtype")
         if quantization is not None and mesh is not None:
             raise ConfigError("quantized weights do not run over a device mesh yet: drop mesh or quantization")
-        loaded = load_model(model, dtype, quantization=quantization, group_size=quantization_group_size)
+        loaded = load_model(model, dtype, quantization=quantization, group_size=quantization_group_size,
+                            quantize_lm_head=quantize_lm_head)
         self.model_spec = model
         self.dtype = str(loaded.params["embed"].dtype)  # 'auto' resolved to the checkpoint's
         self.quantization = quantization
+        self.quantized_lm_head = "lm_head_q" in loaded.params
         self.kv_cache_dtype = kv_cache_dtype
         self.config = loaded.config
         # The inference layout (fused, [out, in] projections): 10-25% faster target forwards on XLA:CPU.

@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "w8a8"],
                    help="quantized target weights (specjax.models.quant); default: float weights in --dtype")
+    p.add_argument("--quantize-lm-head", default=None, choices=["true", "false"],
+                   help="the LM head quantized too, or kept float; default: the setting's own (with gguf: as the "
+                        "file stores it when that is Q8_0 / Q4_0 / Q4_1)")
     p.add_argument("--out", default="bench-results", help="output directory (JSON + Markdown + PNG)")
     p.add_argument("--peers", nargs="*", default=[],
                    help="peer engines run greedily on the same prompts: transformers, transformers-prompt-lookup, "
@@ -183,7 +186,8 @@ def run(args) -> int:
 
     prompts = bench.load_prompts(args.dataset, per_category=args.per_category, limit=args.limit)
     methods = _methods(args.methods)
-    llm = LLM(args.model, args.dtype, quantization=args.quantization)
+    llm = LLM(args.model, args.dtype, quantization=args.quantization,
+              quantize_lm_head=None if args.quantize_lm_head is None else args.quantize_lm_head == "true")
     os.makedirs(args.out, exist_ok=True)
     doc = {"environment": bench.environment(llm), "dataset": os.path.abspath(args.dataset),
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes,

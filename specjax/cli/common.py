@@ -47,6 +47,7 @@ def make_llm(cfg: RunConfig):
     return LLM(cfg.model.model, cfg.model.dtype, backend=cfg.backend.backend,
                attention_impl=cfg.backend.attention_impl, max_context=cfg.model.max_context, mesh=cfg.backend.mesh,
                quantization=cfg.model.quantization, quantization_group_size=cfg.model.quantization_group_size,
+               quantize_lm_head=cfg.model.quantize_lm_head,
                kv_cache_dtype=cfg.model.kv_cache_dtype)
 
 

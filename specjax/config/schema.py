@@ -71,7 +71,8 @@ class ModelConfig:
     `max_context` caps the KV cache length (None = the model's own limit). `quantization`: None = float weights,
     'int8' (per output channel), 'int4' (`quantization_group_size` inputs per scale and minimum) 'gguf' (a GGUF
     file's own Q8_0 / Q4_0 / Q4_1 blocks) or 'w8a8' (int8 weights and activations through Qwix: lossy, for int8
-    matrix units); see specjax.models.quant. `kv_cache_dtype`: None = the model's dtype,
+    matrix units); see specjax.models.quant. `quantize_lm_head`: the LM head too (null: with 'gguf' when the file
+    stores it as Q8_0 / Q4_0 / Q4_1, float otherwise). `kv_cache_dtype`: None = the model's dtype,
     'int8' = int8 entries with per-token, per-head scales (see specjax.kv_cache)."""
 
     model: str = "smollm2-135m"
@@ -79,6 +80,7 @@ class ModelConfig:
     max_context: Optional[int] = None
     quantization: Optional[Literal["int8", "int4", "gguf", "w8a8"]] = None
     quantization_group_size: int = 32
+    quantize_lm_head: Optional[bool] = None
     kv_cache_dtype: Optional[Literal["int8"]] = None
 
     def __post_init__(self) -> None:

@@ -26,7 +26,7 @@ every plain step is appended at once, as before.
 With top_k = 1 the same code drafts a top-1 chain of `depth` tokens (`EagleDrafter.chain_of`).
 
 dparams = {"head": head params (specjax.heads.eagle), "embed": target embedding [V, H], and for EAGLE-1/2 the
-target's LM head: "lm_head" [H, V] when untied}. The target arrays are the target's own buffers (no copy).
+target's LM head: "lm_head" [H, V] when untied, "lm_head_q" when the target's LM head is quantized}. The target arrays are the target's own buffers (no copy).
 """
 from __future__ import annotations
 
@@ -303,7 +303,7 @@ def load_eagle_drafter(path: str, method: str, target_config, target_params: dic
                        depth: int = 5, total_tokens: int = 32):
     """(EagleDrafter, dparams) for the head at `path` on this target. method: 'eagle' or 'eagle3' (the head's
     kind must match); top_k == 1 gives the top-1 chain of `depth` tokens. Head weights are cast to the target
-    embedding's dtype; the target's embedding (and untied LM head) are shared, not copied."""
+    embedding's dtype; the target's embedding (and untied or quantized LM head) are shared, not copied."""
     from specjax.heads.eagle_io import load_head
 
     hcfg, params = load_head(path, target_config)
@@ -313,8 +313,11 @@ def load_eagle_drafter(path: str, method: str, target_config, target_params: dic
     dtype = target_params["embed"].dtype
     head = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.int32 if a.dtype.kind in "iu" else dtype), params)
     dparams = {"head": head, "embed": target_params["embed"]}
-    if "lm_head" in target_params and method == "eagle":
-        dparams["lm_head"] = target_params["lm_head"]
+    if method == "eagle":
+        # EAGLE-1 maps its predicted feature through the target's own LM head: quantized when the target's is.
+        for key in ("lm_head", "lm_head_q"):
+            if key in target_params:
+                dparams[key] = target_params[key]
     if top_k == 1:
         return EagleDrafter.chain_of(hcfg, depth), dparams
     return EagleDrafter(hcfg, top_k, depth, total_tokens), dparams

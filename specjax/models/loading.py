@@ -489,13 +489,17 @@ def progress_bar(desc: str, total: int, unit: str):
     return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
 
 
-def load_gguf_native(path: str) -> tuple[LlamaConfig, dict, GGUFFile]:
+def load_gguf_native(path: str, lm_head: bool | None = None) -> tuple[LlamaConfig, dict, GGUFFile]:
     """A GGUF model with its Q8_0 / Q4_0 / Q4_1 projection weights kept as stored (`quant.QuantWeight`, float16
     scales, packed codes), for quantization='gguf'. Returns params already in the inference layout
     (`llama.fuse_projections`: wqkv_t, wo_t, w_gu_t, w_down_t, stored [out, in]), float leaves as NumPy float32.
     Other tensor types, the embedding and the norms are dequantized as `load_gguf` does. A fused matrix whose parts
     are not all of one native type is dequantized whole (`quant.dequantize` of the native parts), so its values
-    are the same either way."""
+    are the same either way.
+
+    lm_head: the LM head (the tied embedding, or output.weight) also as stored, as 'lm_head_q' [V, H], which
+    `llama.lm_head` reads: None does so when its type is native, True requires it, False keeps it float only.
+    The float embedding stays for the token lookup and the drafters that share it."""
     reader = _gguf_reader(path)
     config = config_from_gguf(reader, path)
     tensors = reader.tensors
@@ -545,6 +549,15 @@ def load_gguf_native(path: str) -> tuple[LlamaConfig, dict, GGUFFile]:
         lp["w_down_t"] = fuse([get(pre + "ffn_down.weight", True)])
         layers.append(lp)
     params = {"embed": get("token_embd.weight"), "layers": layers, "final_norm": get("output_norm.weight")}
+    head_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+    head_type = tensors[head_name].type_name if head_name in tensors else None
+    if lm_head and head_type not in quant.GGUF_NATIVE:
+        raise quant.QuantizationError(
+            f"{path}: quantize_lm_head=True keeps the LM head ({head_name}) as stored, but it is {head_type}; "
+            f"the types kept as stored are {', '.join(quant.GGUF_NATIVE)}: use quantize_lm_head=None or False")
+    native_head = lm_head is not False and head_type in quant.GGUF_NATIVE
+    if native_head:
+        params["lm_head_q"] = get(head_name, True)
     if not config.tie_word_embeddings:
         params["lm_head"] = get("output.weight").T
     return config, params, reader
@@ -660,7 +673,8 @@ def read_model(spec: str = DEFAULT_MODEL, with_tokenizer: bool = True, dtype: st
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | None = "float32", with_tokenizer: bool = True,
-               quantization: str | None = None, group_size: int = quant.DEFAULT_GROUP_SIZE) -> LoadedModel:
+               quantization: str | None = None, group_size: int = quant.DEFAULT_GROUP_SIZE,
+               quantize_lm_head: bool | None = None) -> LoadedModel:
     """Resolve a model spec and load config, params (as jax arrays of `dtype`) and tokenizer.
 
     dtype: 'float32' | 'bfloat16', or 'auto' / None for the checkpoint's own (`checkpoint_dtype`: a bf16 HF
@@ -669,16 +683,20 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | None = "float32", with_to
     quantization: None keeps float weights (the canonical layout); 'int8' / 'int4' (group_size inputs per scale)
     quantize the layer projections from the float32 weights; 'gguf' keeps a GGUF file's Q8_0 / Q4_0 / Q4_1
     projections as stored (`load_gguf_native`). Quantized params come in the inference layout
-    (`llama.fuse_projections`), with `quant.QuantWeight` projections; everything else is in `dtype`."""
+    (`llama.fuse_projections`), with `quant.QuantWeight` projections; everything else is in `dtype`.
+
+    quantize_lm_head: whether the LM head is quantized too, as 'lm_head_q' (`quant.check_lm_head`): None does so
+    with 'gguf' when the file stores it in a native type, and not otherwise."""
     compile_cache.enable()  # before anything compiles: programs from earlier processes load from disk
     dtype = resolve_dtype(spec, dtype)
     quant.check_quantization(quantization)
+    quant.check_lm_head(quantization, quantize_lm_head)
     if quantization == "gguf":
         files = resolve_model(spec)
         if files.kind != "gguf":
             raise ModelLoadError(f"{files.path}: quantization='gguf' keeps a GGUF file's own blocks, but this model is "
                                  "a Hugging Face directory; use quantization='int8' or 'int4', or a .gguf file")
-        config, params, reader = load_gguf_native(files.path)
+        config, params, reader = load_gguf_native(files.path, quantize_lm_head)
         tokenizer = None
         if with_tokenizer:
             from specjax.models.tokenizer import Tokenizer
@@ -691,5 +709,5 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | None = "float32", with_to
     if quantization is None:
         return LoadedModel(config, jax_tree_asarray(params, dtype), tokenizer, files)
     fused = fuse_projections(jax_tree_asarray(params, "float32"))
-    params = quant.quantize_params(fused, quantization, group_size=group_size)
+    params = quant.quantize_params(fused, quantization, group_size=group_size, lm_head=bool(quantize_lm_head))
     return LoadedModel(config, cast_float_leaves(params, dtype), tokenizer, files)

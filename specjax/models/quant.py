@@ -103,6 +103,16 @@ def check_quantization(quantization: str | None) -> str | None:
                             + ", ".join(repr(q) for q in QUANTIZATIONS))
 
 
+def check_lm_head(quantization: str | None, quantize_lm_head: bool | None) -> None:
+    """quantize_lm_head: None (the setting's default: 'gguf' keeps the file's LM head as stored when its type is
+    native, the other settings keep it float), True or False. True needs a quantization to follow."""
+    if quantize_lm_head not in (None, True, False):
+        raise QuantizationError(f"quantize_lm_head must be None, True or False, got {quantize_lm_head!r}")
+    if quantize_lm_head and quantization is None:
+        raise QuantizationError("quantize_lm_head=True quantizes the LM head like the layers, but quantization is "
+                                f"None: pick one of {', '.join(QUANTIZATIONS)}, or drop quantize_lm_head")
+
+
 def mode() -> str:
     """The `SPECJAX_QUANT_MATMUL` policy ('auto' when unset)."""
     return cpu_build.env_mode(ENV_MODE)
@@ -357,7 +367,7 @@ def step_weight_bytes(params) -> int:
 
 __all__ = [
     "BLOCK", "DEFAULT_GROUP_SIZE", "ENV_MODE", "GGUF_NATIVE", "KINDS", "QUANTIZATIONS", "QUANTIZED_KEYS",
-    "QuantWeight", "QuantizationError", "check_quantization", "concat_rows", "dequantize", "from_gguf_blocks",
+    "QuantWeight", "QuantizationError", "check_lm_head", "check_quantization", "concat_rows", "dequantize", "from_gguf_blocks",
     "is_quantized", "linear", "mode", "pack_nibbles", "quant_matmul", "quantize_int4", "quantize_int8",
     "quantize_params", "quantize_w8a8", "step_weight_bytes", "take_rows", "unpack_nibbles", "use_kernel", "w8a8_matmul", "weight_bytes",
 ]

@@ -358,7 +358,8 @@ def environment(llm) -> dict:
     return {"specjax": specjax.__version__, "jax": jax.__version__, "platform": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "machine": platform.machine(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "model": llm.model_spec, "dtype": llm.dtype,
-            "quantization": getattr(llm, "quantization", None), "kv_cache_dtype": getattr(llm, "kv_cache_dtype", None),
+            "quantization": getattr(llm, "quantization", None),
+            "quantized_lm_head": getattr(llm, "quantized_lm_head", False), "kv_cache_dtype": getattr(llm, "kv_cache_dtype", None),
             "attention_impl": llm.attention_impl, "backend": llm.backend,
             "cpu_matmul": _cpu_kernel_mode(cpu_matmul), "cpu_attention": _cpu_kernel_mode(cpu_attention),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}

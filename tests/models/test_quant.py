@@ -73,6 +73,15 @@ def test_unknown_settings_name_the_supported_ones():
         quant.quantize_params(fuse_projections(tiny_params(tiny_config(V), 0)), "gguf")
 
 
+def test_quantize_lm_head_needs_a_quantization():
+    with pytest.raises(quant.QuantizationError, match="quantization is None"):
+        quant.check_lm_head(None, True)
+    with pytest.raises(quant.QuantizationError, match="None, True or False"):
+        quant.check_lm_head("int8", "yes")
+    quant.check_lm_head(None, False)
+    quant.check_lm_head("gguf", None)
+
+
 # ------------------------------------------------------------------------------------ GGUF blocks
 
 
@@ -104,6 +113,48 @@ def test_gguf_rows_permute_and_fuse(type_name):
     fused = quant.concat_rows([quant.take_rows(qa, order), qb])
     want = np.concatenate([np.asarray(quant.dequantize(qa))[order], np.asarray(quant.dequantize(qb))])
     np.testing.assert_array_equal(np.asarray(quant.dequantize(fused)), want)
+
+
+def _gguf_with_embedding(tmp_path, type_name: str | None):
+    """A tiny tied llama GGUF whose token_embd is stored as `type_name` (None: F32); (config, params, path)."""
+    from gguf import GGMLQuantizationType, quants
+    from helpers import tiny_config as hf_tiny_config, tiny_params as hf_tiny_params, write_gguf
+
+    cfg = hf_tiny_config(architecture="LlamaForCausalLM", tie_word_embeddings=True)
+    params = hf_tiny_params(cfg, seed=3)
+    qtypes = None
+    if type_name is not None:
+        qt = GGMLQuantizationType[type_name]
+        qtypes = {"token_embd.weight": (quants.quantize(np.asarray(params["embed"], np.float32), qt), qt)}
+    return cfg, params, write_gguf(tmp_path / f"{type_name}.gguf", cfg, params, qtypes=qtypes)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
+def test_gguf_keeps_its_lm_head_as_stored(tmp_path, type_name):
+    from specjax.models.loading import load_model
+
+    _, _, path = _gguf_with_embedding(tmp_path, type_name)
+    native = load_model(path, with_tokenizer=False, quantization="gguf")
+    head = native.params["lm_head_q"]
+    assert head.kind == type_name.lower() and head.shape == native.params["embed"].shape
+    # The quantized head is what a step reads; the float embedding is only gathered from.
+    assert quant.step_weight_bytes(native.params) < quant.weight_bytes(native.params) - head.nbytes
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, head.shape[1])), jnp.float32)
+    from specjax.models.llama import lm_head
+
+    want = np.asarray(lm_head({"embed": native.params["embed"]}, x))
+    np.testing.assert_allclose(np.asarray(lm_head(native.params, x)), want, rtol=1e-5, atol=1e-5)
+    assert "lm_head_q" not in load_model(path, with_tokenizer=False, quantization="gguf",
+                                         quantize_lm_head=False).params
+
+
+def test_gguf_lm_head_of_another_type_stays_float_or_is_refused(tmp_path):
+    from specjax.models.loading import load_model
+
+    _, _, path = _gguf_with_embedding(tmp_path, None)
+    assert "lm_head_q" not in load_model(path, with_tokenizer=False, quantization="gguf").params
+    with pytest.raises(quant.QuantizationError, match="token_embd.weight.*F32.*Q8_0, Q4_0, Q4_1"):
+        load_model(path, with_tokenizer=False, quantization="gguf", quantize_lm_head=True)
 
 
 # ------------------------------------------------------------------------------------ the product
@@ -245,6 +296,26 @@ def test_greedy_speculation_equals_plain_of_the_same_quantized_target(quantizati
     assert len(plain[0]) == 20 and float_plain != [[]]
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_eagle_reads_the_targets_quantized_lm_head_and_stays_exact(quantization, monkeypatch):
+    from specjax.drafters.eagle import load_eagle_drafter
+    from specjax.heads import eagle_io
+    from specjax.heads.eagle import head_config, init_from_target
+
+    cfg, params, qparams = _target(quantization, lm_head=True)
+    hc = head_config(cfg, "eagle")
+    monkeypatch.setattr(eagle_io, "load_head", lambda path, target: (hc, init_from_target(hc, tiny_params(cfg, seed=1), -1)))
+    drafter, dparams = load_eagle_drafter("unused", "eagle", cfg, qparams, top_k=3, depth=2, total_tokens=6)
+    assert dparams["lm_head_q"] is qparams["lm_head_q"]
+    prompts = [[3, 9, 27, 81, 50, 11, 3, 9, 27], [7, 7, 8]]
+    buckets = tiny_buckets(2, max_new=20)
+    sampling = make_sampling(2, max_new=20)
+    plain, _ = outputs(run_plain(qparams, cfg, buckets, prompts, sampling))
+    state = run_spec(qparams, cfg, dparams, drafter, buckets, prompts, sampling)
+    assert outputs(state.dec)[0] == plain
+    assert int(np.asarray(state.stats.accepted).sum()) > 0
+
+
 # ------------------------------------------------------------------------------------ the real model
 
 
@@ -274,6 +345,7 @@ def test_real_model_gguf_native_matches_dequantized_float32():
     native = load_model(with_tokenizer=False, quantization="gguf")
     kinds = {lp["wqkv_t"].kind for lp in native.params["layers"]}
     assert kinds == {"q4_1"}
+    assert native.params["lm_head_q"].kind == "q8_0"  # SmolLM2's token_embd, the tied LM head, as stored
     c = ref.config
     toks = jnp.asarray([[1, 504, 3458, 282, 4260, 314, 260, 1345]], jnp.int32)
     pos = jnp.arange(8)[None]
