@@ -13,7 +13,9 @@
 //   Output [B, T, Hq, D] float32. A query that sees nothing gets zeros.
 //
 // Work: items are (sequence, KV head, block of kSlotBlock slots), the slots counted as they will be once the new
-// tokens are written, so each new token lands in the block (and column) it will occupy in the cache. Each item
+// tokens are written, so each new token lands in the block (and column) it will occupy in the cache. In a tree a
+// node will occupy the slot of its depth (its path's tokens are written in order once accepted), so a node sits at
+// slot lengths[b] + depth: siblings share a slot, and each query places the one node of each depth it sees there. Each item
 // scores all G * T queries of its KV head against its slots with the register tiles of tiles.h (so K is read once
 // per item, not once per query), exponentiates, and accumulates its part of the output with running max, sum and
 // weighted V. The parts of a pair are merged in block order: the result does not depend
@@ -198,26 +200,82 @@ void softmax_rows(const Dims& d, float* sc, int64_t stride, int64_t cols, float 
   }
 }
 
+// The slot offset of each new token of one sequence: its depth (the number of new tokens it sees, less itself)
+// when every query sees at most one new token per depth, which holds for any tree mask (a node sees its
+// ancestors and itself); else, for masks that are not trees, its index (every token its own slot).
+inline void slot_offsets(const bool* tree, int64_t T, std::vector<int64_t>& off) {
+  off.assign(size_t(T), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t seen = 0;
+    for (int64_t j = 0; j < T; ++j) seen += tree[t * T + j];
+    off[size_t(t)] = std::max<int64_t>(seen - 1, 0);
+  }
+  std::vector<char> used(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(used.begin(), used.end(), 0);
+    for (int64_t j = 0; j < T; ++j) {
+      if (!tree[t * T + j]) continue;
+      if (used[size_t(off[size_t(j)])]) {
+        for (int64_t i = 0; i < T; ++i) off[size_t(i)] = i;
+        return;
+      }
+      used[size_t(off[size_t(j)])] = 1;
+    }
+  }
+}
+
+// o[n, :] += sum_c p[n * stride + c] * v[node[n * width + c], :] for c in [0, width) with node >= 0: the new
+// tokens' part, whose value row differs per query in a tree. Column by column, as accumulate_queries adds, so a
+// query gets the sums it would get with those values in the cache; a column a query does not see adds p = 0.
+void accumulate_fresh(const Dims& d, const float* p, int64_t stride, const float* v, const int64_t* node,
+                      int64_t width, float* o) {
+  const int64_t dv = d.D - d.D % kLanes;
+  for (int64_t n = 0; n < d.N; ++n) {
+    const float* pn = p + n * stride;
+    const int64_t* nn = node + n * width;
+    float* on = o + n * d.D;
+    for (int64_t e = 0; e < dv; e += kLanes) {
+      f32x16 acc = load_f32(on + e);
+      for (int64_t c = 0; c < width; ++c)
+        if (nn[c] >= 0) acc += pn[c] * load_f32(v + nn[c] * d.D + e);
+      std::memcpy(on + e, &acc, sizeof(f32x16));
+    }
+    for (int64_t e = dv; e < d.D; ++e) {
+      float s = on[e];
+      for (int64_t c = 0; c < width; ++c)
+        if (nn[c] >= 0) s += pn[c] * v[nn[c] * d.D + e];
+      on[e] = s;
+    }
+  }
+}
+
 template <typename KV>
 void attend_item(const Dims& d, int64_t b, int64_t h, int64_t blk, int64_t L, const float* q, const KV* kc,
-                 const KV* vc, const float* kn, const float* vn, const bool* tree, float scale, Part part,
-                 std::vector<float>& buf) {
+                 const KV* vc, const float* kn, const float* vn, const bool* tree, const int64_t* off, float scale,
+                 Part part, std::vector<float>& buf) {
   // Block blk covers slots [s0, s1) of the sequence as it will be once the new tokens are written (new token j at
-  // slot L + j): its committed slots, then the new tokens that fall in it, at the columns they will have there.
-  // A token is then scored, exponentiated and summed in the same block, column and order whether it is a new
-  // token of this call or already in the cache, so a chain verified in one block gives the one-token steps' sums.
+  // slot L + off[j]): its committed slots, then the new tokens' slots that fall in it, at the columns they will
+  // have there. A token is then scored, exponentiated and summed in the same block, column and order whether it
+  // is a new token of this call or already in the cache, so a chain or a tree verified in one call gives each
+  // token the sums of the one-token steps along its path.
   const int64_t s0 = blk * kSlotBlock, s1 = s0 + kSlotBlock;
   const int64_t rows = std::max<int64_t>(0, std::min(L, s1) - s0);
-  const int64_t j0 = std::clamp<int64_t>(s0 - L, 0, d.T), j1 = std::clamp<int64_t>(s1 - L, 0, d.T);
-  const int64_t fresh = j1 - j0;
-  const int64_t cols = rows + fresh;
+  const int64_t c0 = std::clamp<int64_t>(s0 - L, 0, d.T), c1 = std::clamp<int64_t>(s1 - L, 0, d.T);
+  thread_local std::vector<int64_t> in_block, node;
+  in_block.clear();
+  for (int64_t j = 0; j < d.T; ++j)
+    if (off[j] >= c0 && off[j] < c1) in_block.push_back(j);
+  const int64_t fresh = int64_t(in_block.size());
+  const int64_t width = fresh > 0 ? c1 - c0 : 0;  // the new tokens' columns: one per slot offset
+  const int64_t cols = rows + width;
   const int64_t stride = cols + (-cols & (kLanes - 1));
-  buf.resize(size_t(2 * d.N * d.D + d.N * stride + 2 * d.T * d.D));
+  buf.resize(size_t(2 * d.N * d.D + d.N * stride + 2 * d.T * d.D + d.N * d.T));
   float* qf = buf.data();
   float* qs = qf + d.N * d.D;
   float* sc = qs + d.N * d.D;
   float* knew = sc + d.N * stride;
   float* vnew = knew + d.T * d.D;
+  float* snew = vnew + d.T * d.D;  // [N, fresh] scores of the block's new tokens, in node order
   // Queries of this KV head, row n = t * G + g: G consecutive heads of token t are contiguous in q.
   for (int64_t t = 0; t < d.T; ++t)
     std::memcpy(qf + t * d.G * d.D, q + ((b * d.T + t) * d.Hq + h * d.G) * d.D, sizeof(float) * d.G * d.D);
@@ -227,30 +285,41 @@ void attend_item(const Dims& d, int64_t b, int64_t h, int64_t blk, int64_t L, co
   const KV* vh = vc + ((b * d.Hkv + h) * d.S + std::min(s0, d.S)) * d.D;
   if (rows > 0) score_block(d, qf, qs, kh, rows, sc, stride);
   if (fresh > 0) {
-    for (int64_t j = j0; j < j1; ++j) {
-      std::memcpy(knew + (j - j0) * d.D, kn + ((b * d.T + j) * d.Hkv + h) * d.D, sizeof(float) * d.D);
-      std::memcpy(vnew + (j - j0) * d.D, vn + ((b * d.T + j) * d.Hkv + h) * d.D, sizeof(float) * d.D);
+    for (int64_t i = 0; i < fresh; ++i) {
+      const int64_t j = in_block[size_t(i)];
+      std::memcpy(knew + i * d.D, kn + ((b * d.T + j) * d.Hkv + h) * d.D, sizeof(float) * d.D);
+      std::memcpy(vnew + i * d.D, vn + ((b * d.T + j) * d.Hkv + h) * d.D, sizeof(float) * d.D);
     }
-    score_new(d, qf, qs, knew, fresh, sc + rows, stride, static_cast<const KV*>(nullptr));
+    score_new(d, qf, qs, knew, fresh, snew, fresh, static_cast<const KV*>(nullptr));
+    // Each query's row: the score of the new token it sees at each slot offset, -inf where it sees none.
+    node.assign(size_t(d.N * width), -1);
     const float ninf = -std::numeric_limits<float>::infinity();
     for (int64_t n = 0; n < d.N; ++n) {
       const bool* sees = tree + (b * d.T + n / d.G) * d.T;
-      for (int64_t j = j0; j < j1; ++j)
-        if (!sees[j]) sc[n * stride + rows + (j - j0)] = ninf;
+      float* row = sc + n * stride + rows;
+      std::fill(row, row + width, ninf);
+      for (int64_t i = 0; i < fresh; ++i) {
+        const int64_t j = in_block[size_t(i)];
+        if (!sees[j]) continue;
+        row[off[j] - c0] = snew[n * fresh + i];
+        node[size_t(n * width + off[j] - c0)] = i;
+      }
     }
   }
   softmax_rows(d, sc, stride, cols, scale, part);
   if (rows > 0) accumulate(d, sc, stride, vh, rows, part.o);
-  if (fresh > 0) accumulate(d, sc + rows, stride, vnew, fresh, part.o);
+  if (fresh > 0) accumulate_fresh(d, sc + rows, stride, vnew, node.data(), width, part.o);
 }
 
 template <typename KV>
 void run(ffi::ThreadPool& pool, const Dims& d, const float* q, const KV* kc, const KV* vc, const float* kn,
          const float* vn, const int32_t* lengths, const bool* tree, float scale, float* out) {
   // Items in (sequence, head, block) order; first[b] indexes sequence b's first item.
-  std::vector<int64_t> len(d.B), blocks(d.B), first(d.B + 1, 0);
+  std::vector<int64_t> len(d.B), blocks(d.B), first(d.B + 1, 0), offsets(size_t(d.B * d.T)), off;
   int64_t work = 0;
   for (int64_t b = 0; b < d.B; ++b) {
+    slot_offsets(tree + b * d.T * d.T, d.T, off);
+    std::copy(off.begin(), off.end(), offsets.begin() + b * d.T);
     len[b] = std::min<int64_t>(std::max<int64_t>(lengths[b], 0), d.S);
     // Blocks over the slots the sequence will have with the new tokens written (see attend_item).
     blocks[b] = std::max<int64_t>(1, (len[b] + d.T + kSlotBlock - 1) / kSlotBlock);
@@ -268,7 +337,7 @@ void run(ffi::ThreadPool& pool, const Dims& d, const float* q, const KV* kc, con
     const int64_t b = int64_t(std::upper_bound(first.begin(), first.end(), i) - first.begin()) - 1;
     const int64_t r = i - first[b], h = r / blocks[b], blk = r % blocks[b];
     thread_local std::vector<float> buf;
-    attend_item(d, b, h, blk, len[b], q, kc, vc, kn, vn, tree, scale, part_of(i), buf);
+    attend_item(d, b, h, blk, len[b], q, kc, vc, kn, vn, tree, offsets.data() + b * d.T, scale, part_of(i), buf);
   });
   // Merge the blocks of each (sequence, head) in block order: out = sum_k e^(m_k - M) o_k / sum_k e^(m_k - M) l_k.
   for (int64_t b = 0; b < d.B; ++b)

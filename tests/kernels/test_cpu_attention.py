@@ -79,6 +79,44 @@ def test_a_chain_in_one_call_equals_one_token_steps_bit_for_bit(cache_dtype, L):
         np.testing.assert_array_equal(np.asarray(step)[:, 0], block[:, t], err_msg=f"token {t}")
 
 
+# A 9-node draft tree: parent of each node (-1: the root, the token every path starts from).
+TREE_PARENTS = [-1, 0, 0, 1, 2, 3, 1, 5, 4]
+
+
+def _tree_mask(parents) -> np.ndarray:
+    T = len(parents)
+    m = np.zeros((T, T), bool)
+    for t in range(T):
+        a = t
+        while a >= 0:
+            m[t, a] = True
+            a = parents[a]
+    return m
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("L", [40, 125, 254])
+def test_a_tree_in_one_call_equals_one_token_steps_along_each_path_bit_for_bit(cache_dtype, L):
+    """Node t of a tree verified in one call attends exactly as a one-token step does once the path to it is in the
+    cache: its ancestors sit at the slots of their depths, whatever their index in the tree. A node's index is
+    not its slot (node 6 is at depth 2), so placing nodes by index breaks this across blocks and lanes."""
+    B, T, Hq, Hkv, S, D = 1, len(TREE_PARENTS), 4, 2, 384, 64
+    q, kc, vc, kn, vn, lengths, _ = _inputs(B, T, Hq, Hkv, S, D, [L], cache_dtype, tree=False, seed=5)
+    mask = _tree_mask(TREE_PARENTS)
+    scale = D ** -0.5
+    block = np.asarray(ca.prefix_attention(q, kc, vc, kn, vn, lengths, jnp.asarray(mask)[None], scale=scale))
+    for t in range(T):
+        path = [int(j) for j in np.flatnonzero(mask[t]) if j != t]  # ancestors in depth order
+        k_t = kc.at[:, :, L:L + len(path)].set(kn[:, path].transpose(0, 2, 1, 3).astype(cache_dtype))
+        v_t = vc.at[:, :, L:L + len(path)].set(vn[:, path].transpose(0, 2, 1, 3).astype(cache_dtype))
+        step = ca.prefix_attention(q[:, t:t + 1], k_t, v_t, kn[:, t:t + 1], vn[:, t:t + 1],
+                                   lengths + len(path), jnp.ones((B, 1, 1), bool), scale=scale)
+        np.testing.assert_array_equal(np.asarray(step)[:, 0], block[:, t], err_msg=f"node {t}")
+    want = np.asarray(ca.prefix_attention_reference(q, kc, vc, kn, vn, lengths, jnp.asarray(mask)[None],
+                                                    scale=scale))
+    np.testing.assert_allclose(block, want, rtol=2e-5, atol=2e-5)
+
+
 def test_kernel_matches_the_models_xla_attention():
     # The function the kernel replaces in the model, on a causal chain block.
     q, kc, vc, kn, vn, L, tm = _inputs(2, 5, 9, 3, 300, 64, [140, 7], tree=False)
