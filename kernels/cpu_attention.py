@@ -18,7 +18,8 @@ The four parts, as for every specjax kernel:
 `attention(...)` is what the model calls: at trace time it picks the kernel or XLA's version under
 `SPECJAX_CPU_ATTENTION`:
 - `auto` (default): the kernel on the CPU platform for blocks of at most `AUTO_MAX_TOKENS` new tokens (decoding and
-  verification; prefill chunks stay with XLA's batched products);
+  verification; prefill chunks stay with XLA's batched products), and for any block inside
+  `cpu_build.row_invariant()` (the engines' decode and verify steps);
 - `kernel`: the kernel for every shape it supports on the CPU platform;
 - `xla`: never the kernel.
 The choice is made when a function is traced, so set the variable before the first generation of a process.
@@ -173,7 +174,7 @@ def use_kernel(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask) -> bool:
         validate_prefix_attention_inputs(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask)
     except PrefixAttentionInputError:
         return False
-    if m == "auto" and q.shape[1] > AUTO_MAX_TOKENS:
+    if m == "auto" and q.shape[1] > AUTO_MAX_TOKENS and not cpu_build.in_row_invariant():
         return False
     if not cpu_build.available():
         cpu_build.warn_unavailable("attention", "XLA's attention")

@@ -10,6 +10,7 @@ kernels' callers then warn once and keep XLA's own operations.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -18,6 +19,7 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 
 import jax
@@ -36,6 +38,30 @@ TARGETS = {"specjax_small_matmul": "SpecjaxSmallMatmul", "specjax_prefix_attenti
 
 
 MODES = ("auto", "kernel", "xla")
+
+
+_TRACING = threading.local()
+
+
+@contextlib.contextmanager
+def row_invariant():
+    """Products and attention traced inside take the CPU kernels in `auto` mode whatever their number of rows or
+    tokens: a row's result then does not depend on the rows it shares a call with. Greedy speculation needs that:
+    a verify block (a tree of 33 nodes at batch 4 is 132 rows) must give each token the bits of the one-token
+    plain step, which a switch to XLA's dot above the row limits breaks; in bfloat16 those last bits flip real
+    tokens. The engines trace their decode and verify steps inside it; prefill, which plain and speculative
+    decoding share, does not need it. Read at trace time, like the modes."""
+    depth = getattr(_TRACING, "row_invariant", 0)
+    _TRACING.row_invariant = depth + 1
+    try:
+        yield
+    finally:
+        _TRACING.row_invariant = depth
+
+
+def in_row_invariant() -> bool:
+    """Whether the function being traced is inside `row_invariant()`."""
+    return bool(getattr(_TRACING, "row_invariant", 0))
 
 
 def env_mode(variable: str) -> str:
@@ -140,4 +166,4 @@ def warn_unavailable(what: str, fallback: str) -> None:
 
 
 __all__ = ["KernelBuildError", "MODES", "SOURCES", "TARGETS", "available", "build_key", "cache_dir", "env_mode",
-           "library_path", "unavailable_reason", "warn_unavailable"]
+           "in_row_invariant", "library_path", "row_invariant", "unavailable_reason", "warn_unavailable"]

@@ -17,7 +17,8 @@ The four parts, as for every specjax kernel:
 `matmul_t(x, w)` is what the model calls for every projection: at trace time it picks the kernel or XLA's dot
 from the platform, the dtypes and the number of rows, under `SPECJAX_CPU_MATMUL`:
 - `auto` (default): the kernel on the CPU platform for float32 weights with 1-16 rows and bfloat16 weights with
-  at most 64 rows (where it measured faster: reports/decode_cpu/README.md), XLA's dot otherwise;
+  at most 64 rows (where it measured faster: reports/decode_cpu/README.md), XLA's dot otherwise; for any number
+  of rows inside `row_invariant()`, where the engines trace their decode and verify steps;
 - `kernel`: the kernel for every product it supports on the CPU platform (tests use this);
 - `xla`: never the kernel.
 The choice is made when a function is traced, so set the variable before the first generation of a process.
@@ -127,6 +128,9 @@ def _rows(x) -> int:
     return int(np.prod(x.shape[:-1], dtype=np.int64))
 
 
+row_invariant = cpu_build.row_invariant
+
+
 def use_kernel(x, w) -> bool:
     """Whether `matmul_t` takes the kernel for these shapes and dtypes here (decided at trace time)."""
     m = mode()
@@ -136,7 +140,7 @@ def use_kernel(x, w) -> bool:
         validate_small_matmul_inputs(x, w)
     except SmallMatmulInputError:
         return False
-    if m == "auto":
+    if m == "auto" and not cpu_build.in_row_invariant():
         lo, hi = AUTO_BF16_ROWS if np.dtype(w.dtype) == np.dtype(jnp.bfloat16) else AUTO_F32_ROWS
         if not lo <= _rows(x) <= hi:
             return False
@@ -165,6 +169,6 @@ unavailable_reason = cpu_build.unavailable_reason
 
 __all__ = [
     "AUTO_BF16_ROWS", "AUTO_F32_ROWS", "ENV_MODE", "KernelBuildError", "SmallMatmulInputError", "available",
-    "matmul_t", "mode", "small_matmul", "small_matmul_reference", "unavailable_reason", "use_kernel",
+    "matmul_t", "mode", "row_invariant", "small_matmul", "small_matmul_reference", "unavailable_reason", "use_kernel",
     "validate_small_matmul_inputs",
 ]

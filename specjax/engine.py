@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.buckets import PREFILL_CHUNK, Buckets, make_buckets  # noqa: F401  (re-exported: engine.Buckets)
+from specjax.kernels import cpu_matmul
 from specjax.kv_cache import KVCache, init_cache, map_entries
 from specjax.models.llama import LlamaConfig, forward
 from specjax.sampling import (SamplingArrays, greedy_tokens, has_penalties, output_counts, processed, sample,
@@ -240,8 +241,9 @@ def decode_step_deferred(params: dict, config: LlamaConfig, state: DecodeState, 
     and with write_cache=False leaves them out of the cache for the caller to write at the old lengths (the
     returned state's lengths already count the token). Pure, not jitted."""
     cache = state.cache
-    out = forward(params, config, state.last_token[:, None], cache.lengths[:, None], cache, attention_fn=attention_fn,
-                  hidden_layers=feature_layers(features), write_cache=write_cache)
+    with cpu_matmul.row_invariant():  # the products a verify block of the same tokens computes
+        out = forward(params, config, state.last_token[:, None], cache.lengths[:, None], cache,
+                      attention_fn=attention_fn, hidden_layers=feature_layers(features), write_cache=write_cache)
     logits = out.logits[:, 0]
     # The output so far (the token being forwarded included) for the penalties; None when the batch has none.
     counts = output_counts(state.out_tokens, state.num_new, logits.shape[-1]) if has_penalties(sampling) else None

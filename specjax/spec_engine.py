@@ -26,6 +26,7 @@ from specjax.backoff import Adaptive, backoff_decide, backoff_update  # noqa: F4
 from specjax.drafters.base import DraftContext, Proposal
 from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step_deferred, emit, fail_rows,
                             feature_layers, prefill_core, target_features, until_free)
+from specjax.kernels import cpu_matmul
 from specjax.kv_cache import gather_path, write_path
 from specjax.models.llama import LlamaConfig, forward
 from specjax.sampling import (SamplingArrays, greedy_tokens, has_penalties, output_counts, path_counts, processed,
@@ -141,8 +142,9 @@ def _verify_accept(params, config: LlamaConfig, tree: TreeSpec, mode, state: Spe
     positions = cache.lengths[:, None] + depth
     # Other attention backends read the new nodes from the cache: they get them written here, and the accepted
     # path is written again, in order, by `_write_pending`.
-    out = forward(params, config, proposal.tokens, positions, cache, tree_mask, attention_fn=attention_fn,
-                  hidden_layers=feature_layers(features), write_cache=attention_fn is not None)
+    with cpu_matmul.row_invariant():  # each node's products as in a one-token plain step (see there)
+        out = forward(params, config, proposal.tokens, positions, cache, tree_mask, attention_fn=attention_fn,
+                      hidden_layers=feature_layers(features), write_cache=attention_fn is not None)
 
     # Each node's logits give the token after it: min_tokens and the penalties see the output plus the node's
     # drafted path (the root is already in the output), as plain decoding would at that point.

@@ -95,6 +95,17 @@ def test_policy(monkeypatch):
     assert cm.use_kernel(sds((64, 64), f32), sds((32, 64), bf16))
     assert not cm.use_kernel(sds((65, 64), f32), sds((32, 64), bf16))
     assert not cm.use_kernel(sds((4, 64), f32), sds((32, 64), jnp.float16))  # unsupported -> XLA, no error
+    with cm.row_invariant():  # decode and verify steps: one path whatever the row count
+        assert cm.use_kernel(sds((4, 33, 64), f32), sds((32, 64), f32))
+        assert cm.use_kernel(sds((4, 33, 64), f32), sds((32, 64), bf16))
+        with cm.row_invariant():
+            pass
+        assert cm.use_kernel(sds((1, 17, 64), f32), sds((32, 64), f32))
+        assert not cm.use_kernel(sds((4, 64), f32), sds((32, 64), jnp.float16))
+    assert not cm.use_kernel(sds((1, 17, 64), f32), sds((32, 64), f32))
+    monkeypatch.setenv(cm.ENV_MODE, "xla")
+    with cm.row_invariant():
+        assert not cm.use_kernel(sds((1, 64), f32), sds((32, 64), f32))
     monkeypatch.setenv(cm.ENV_MODE, "kernel")
     assert cm.use_kernel(sds((300, 64), f32), sds((32, 64), f32))
     monkeypatch.setenv(cm.ENV_MODE, "xla")
