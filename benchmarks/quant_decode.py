@@ -14,9 +14,11 @@ positions before the first difference, and exact-match prompts) and the largest 
 over the prompt. Settings: float32, bfloat16 (float weights), int8, int4 (float32 activations), gguf (the file's
 own Q8_0 / Q4_0 / Q4_1 blocks, its LM head too when the file stores it so), w8a8 (int8 weights and activations
 through Qwix); "+lmq" / "+lmf" quantize the LM head too / keep it float (default: the setting's own, LLM's
-quantize_lm_head=None), and "+kv8" adds the int8 KV cache. --llama-cpp: llama.cpp (llama-cpp-python, in a child process) decodes the same GGUF file on the same
-prompts before the first setting and after the last (its drift), at batch 1: decode tokens/s is (tokens - 1) over
-the time after the first token, the median over the prompts.
+quantize_lm_head=None), and "+kv8" adds the int8 KV cache. A setting named twice runs again as "<setting>#2"
+(speed only): list float32 first and last to measure the drift; the bfloat16 / float32 ratio at batch 1 is then over
+the float32 runs' mean. --llama-cpp: llama.cpp (llama-cpp-python, in a child process) decodes the same GGUF file on
+the same prompts before the first setting and after the last (its drift), at batch 1: decode tokens/s is
+(tokens - 1) over the time after the first token, the median over the prompts.
 """
 from __future__ import annotations
 
@@ -161,20 +163,23 @@ def main(argv=None):
     if args.llama_cpp:
         peer.append(llama_cpp_decode(args.model, dec_prompts, args.new_tokens))
         print(f"llama.cpp batch 1 (first): {peer[0]['tokens_per_s']:.1f} tok/s", flush=True)
+    seen: dict[str, int] = {}
     for setting in args.settings:
+        seen[setting] = seen.get(setting, 0) + 1
+        label = setting if seen[setting] == 1 else f"{setting}#{seen[setting]}"  # a repeat measures the drift
         t0 = time.perf_counter()
         llm = make_llm(setting, args.model, args.group_size)
         load_s = time.perf_counter() - t0
         resident = quant.weight_bytes(llm.params)
         step = quant.step_weight_bytes(llm.params)
-        row = {"setting": setting, "load_s": load_s, "resident_weight_bytes": resident, "step_weight_bytes": step,
+        row = {"setting": label, "load_s": load_s, "resident_weight_bytes": resident, "step_weight_bytes": step,
                "roofline_tokens_per_s_batch1": bw / 2 / step,  # copy bandwidth counts read + write bytes
                "kv_bytes_per_token": kv_bytes_per_token(llm.config, np.dtype(llm.params["embed"].dtype).itemsize)}
         for b in args.batches:
             fig = dec.bench_specjax(llm, b, args.new_tokens)
             row[f"batch{b}"] = fig
-            print(f"{setting} batch {b}: {fig['tokens_per_s']:.1f} tok/s ({fig['step_ms']:.1f} ms/step)", flush=True)
-        if prompts:
+            print(f"{label} batch {b}: {fig['tokens_per_s']:.1f} tok/s ({fig['step_ms']:.1f} ms/step)", flush=True)
+        if prompts and seen[setting] == 1:
             toks = greedy_tokens(llm, prompts, args.quality_tokens)
             logits = prompt_logits(llm, prompts)
             if ref_tokens is None and setting == "float32":
@@ -203,6 +208,14 @@ def main(argv=None):
               f"{r['roofline_tokens_per_s_batch1']:.0f} | "
               + " | ".join(f"{r[f'batch{b}']['tokens_per_s']:.1f}" for b in args.batches)
               + f" | {kv['model_dtype']} / {kv['int8']} | {q} |")
+    f32 = [r for r in rows if r["setting"].split("#")[0] == "float32"]
+    bf16 = [r for r in rows if r["setting"] == "bfloat16"]
+    if f32 and bf16 and 1 in args.batches:
+        base = [r["batch1"]["tokens_per_s"] for r in f32]
+        ratio = bf16[0]["batch1"]["tokens_per_s"] / float(np.mean(base))
+        doc["bfloat16_over_float32_batch1"] = {"ratio": ratio, "float32_runs": base}
+        print(f"\nbfloat16 / float32 at batch 1: {ratio:.2f}x (float32 runs: "
+              + " / ".join(f"{x:.1f}" for x in base) + " tok/s; the ratio is over their mean)")
     if peer:
         print(f"| llama.cpp (same GGUF, first / last) | | | | {peer[0]['tokens_per_s']:.1f} / {peer[-1]['tokens_per_s']:.1f}"
               " (b=1) | | | |")

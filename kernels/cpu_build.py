@@ -30,11 +30,12 @@ from specjax.errors import SpecjaxError
 
 SOURCE_DIR = pathlib.Path(__file__).with_name("cpu")
 # Compiled together into one library; tiles.h (included by both) is part of the cache key.
-SOURCES = (SOURCE_DIR / "small_matmul.cc", SOURCE_DIR / "prefix_attention.cc", SOURCE_DIR / "quant_matmul.cc")
+SOURCES = (SOURCE_DIR / "small_matmul.cc", SOURCE_DIR / "prefix_attention.cc", SOURCE_DIR / "quant_matmul.cc",
+           SOURCE_DIR / "kv_write.cc")
 HEADERS = (SOURCE_DIR / "tiles.h",)
 # FFI target name -> exported handler symbol.
 TARGETS = {"specjax_small_matmul": "SpecjaxSmallMatmul", "specjax_prefix_attention": "SpecjaxPrefixAttention",
-           "specjax_quant_matmul": "SpecjaxQuantMatmul"}
+           "specjax_quant_matmul": "SpecjaxQuantMatmul", "specjax_kv_write": "SpecjaxKvWrite"}
 
 
 MODES = ("auto", "kernel", "xla")

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ConfigError
+from specjax.kernels import cpu_kv_write
 
 KV_DTYPES = (None, "int8")  # kv_dtype values: None = entries in the model's dtype; "int8" = scaled int8 entries
 QMAX = 127  # symmetric int8 range [-127, 127]: -128 unused, so q and -q are both representable
@@ -118,9 +119,8 @@ def write_kv(ck, cv, k_new, v_new, lengths, scales: tuple = ()):
         (k_new, k_s), (v_new, v_s) = quantize(k_new), quantize(v_new)  # [B, T, Hkv, D] int8, [B, T, Hkv]
         # The same advanced indices on a [B, Hkv, S] array index a [B, T, Hkv] view: the scales' own layout.
         scales = tuple(a.at[b, :, s].set(n, mode="drop") for a, n in zip(scales, (k_s, v_s)))
-    # Advanced indices on axes 0 and 2 around a slice: the indexed view is [B, T, Hkv, D], k_new's own layout.
-    ck = ck.at[b, :, s].set(k_new.astype(ck.dtype), mode="drop")
-    cv = cv.at[b, :, s].set(v_new.astype(cv.dtype), mode="drop")
+    # specjax.kernels.cpu_kv_write: in place on CPU where XLA would rewrite the whole layer (16-bit floats).
+    ck, cv = cpu_kv_write.write(ck, k_new, lengths), cpu_kv_write.write(cv, v_new, lengths)
     return (ck, cv, scales) if quantized else (ck, cv)
 
 

@@ -49,7 +49,7 @@ def _drop_compiled_programs():
 
 @pytest.fixture
 def kernel_policy(monkeypatch):
-    """set_policy(variable, value) sets a CPU kernel policy (SPECJAX_CPU_MATMUL, SPECJAX_CPU_ATTENTION) for one
+    """set_policy(variable, value) sets a CPU kernel policy (SPECJAX_CPU_MATMUL, SPECJAX_CPU_ATTENTION, SPECJAX_CPU_KV_WRITE) for one
     test, dropping every traced function before and after: the policies are read when a function is traced."""
     def set_policy(variable: str, value: str):
         monkeypatch.setenv(variable, value)

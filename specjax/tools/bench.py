@@ -353,7 +353,7 @@ def environment(llm) -> dict:
     import jax
 
     import specjax
-    from specjax.kernels import cpu_attention, cpu_matmul
+    from specjax.kernels import cpu_attention, cpu_kv_write, cpu_matmul
 
     return {"specjax": specjax.__version__, "jax": jax.__version__, "platform": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "machine": platform.machine(), "cpus": os.cpu_count(),
@@ -362,4 +362,5 @@ def environment(llm) -> dict:
             "quantized_lm_head": getattr(llm, "quantized_lm_head", False), "kv_cache_dtype": getattr(llm, "kv_cache_dtype", None),
             "attention_impl": llm.attention_impl, "backend": llm.backend,
             "cpu_matmul": _cpu_kernel_mode(cpu_matmul), "cpu_attention": _cpu_kernel_mode(cpu_attention),
+            "cpu_kv_write": _cpu_kernel_mode(cpu_kv_write),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
