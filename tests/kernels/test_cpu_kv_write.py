@@ -132,6 +132,21 @@ def test_vmap_runs_the_kernel_per_element():
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
+def test_gradients_equal_the_references(mode):
+    cache, new, L = _inputs(2, 3, 2, 8, 4, [1, 6], jnp.float32)
+    w = jnp.asarray(np.random.default_rng(2).standard_normal(cache.shape), jnp.float32)
+
+    def loss(write):
+        return lambda c, n: jnp.sum(jnp.sin(write(c, n, L)) * w)
+
+    mode("kernel")
+    got = jax.grad(loss(kw.write), argnums=(0, 1))(cache, new)
+    want = jax.grad(loss(kw.kv_write_reference), argnums=(0, 1))(cache, new)
+    for g, x in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
+    assert np.abs(np.asarray(got[1])).sum() > 0  # the new entries receive gradient; the dropped slot gets none
+
+
 def _shapes(**change):
     s = dict(cache=(2, 3, 16, 8), new=(2, 4, 3, 8), lengths=(2,))
     d = dict(cache=jnp.bfloat16, new=jnp.bfloat16, lengths=jnp.int32)
