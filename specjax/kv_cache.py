@@ -111,11 +111,11 @@ def write_kv(ck, cv, k_new, v_new, lengths, scales: tuple = ()):
     Scatters rather than rebuilt arrays, so XLA updates the loop-carried cache in place. Writes past the
     capacity are dropped; callers check capacity on the host before they get here.
     """
-    B, T = k_new.shape[:2]
-    b = jnp.arange(B)[:, None]
-    s = lengths[:, None] + jnp.arange(T)[None, :]  # [B, T]
     quantized = bool(scales)
     if quantized:
+        B, T = k_new.shape[:2]
+        b = jnp.arange(B)[:, None]
+        s = lengths[:, None] + jnp.arange(T)[None, :]  # [B, T]
         (k_new, k_s), (v_new, v_s) = quantize(k_new), quantize(v_new)  # [B, T, Hkv, D] int8, [B, T, Hkv]
         # The same advanced indices on a [B, Hkv, S] array index a [B, T, Hkv] view: the scales' own layout.
         scales = tuple(a.at[b, :, s].set(n, mode="drop") for a, n in zip(scales, (k_s, v_s)))

@@ -49,13 +49,26 @@ def _drop_compiled_programs():
 
 @pytest.fixture
 def kernel_policy(monkeypatch):
-    """set_policy(variable, value) sets a CPU kernel policy (SPECJAX_CPU_MATMUL, SPECJAX_CPU_ATTENTION, SPECJAX_CPU_KV_WRITE) for one
-    test, dropping every traced function before and after: the policies are read when a function is traced."""
+    """set_policy(variable, value) sets a CPU kernel policy (SPECJAX_CPU_MATMUL, SPECJAX_CPU_ATTENTION,
+    SPECJAX_CPU_KV_WRITE) for one test, dropping every traced function before and after: the policies are read when
+    a function is traced."""
     def set_policy(variable: str, value: str):
         monkeypatch.setenv(variable, value)
         jax.clear_caches()
     yield set_policy
     jax.clear_caches()
+
+
+@pytest.fixture
+def kernels_unbuildable(monkeypatch):
+    """For one test, the CPU kernels cannot be built (no C++ compiler), and each kernel's one-time fallback warning
+    is armed again before and after."""
+    from specjax.kernels import cpu_build
+
+    monkeypatch.setattr(cpu_build, "_load", lambda: (False, "no C++ compiler found (set CXX, or install g++)"))
+    cpu_build.warn_unavailable.cache_clear()
+    yield
+    cpu_build.warn_unavailable.cache_clear()
 
 
 @pytest.fixture(scope="module")
