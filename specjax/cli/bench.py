@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 
+from specjax.cli.common import add_model_flags, make_llm, model_config
 from specjax.config import SamplingParams
 from specjax.tools import bench, report
 
@@ -26,13 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--all-turns", action="store_true", help="run multi-turn questions as a conversation")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "w8a8"],
-                   help="quantized target weights (specjax.models.quant); default: float weights in --dtype")
-    p.add_argument("--quantize-lm-head", default=None, choices=["true", "false"],
-                   help="the LM head quantized too, or kept float; default: the setting's own (with gguf: as the "
-                        "file stores it when that is Q8_0 / Q4_0 / Q4_1)")
+    add_model_flags(p, backend=True)
     p.add_argument("--out", default="bench-results", help="output directory (JSON + Markdown + PNG)")
     p.add_argument("--peers", nargs="*", default=[],
                    help="peer engines run greedily on the same prompts: transformers, transformers-prompt-lookup, "
@@ -182,12 +177,11 @@ def _profile(args, llm, prompts, methods, sp) -> dict:
 
 
 def run(args) -> int:
-    from specjax.api import LLM
-
+    cfg = model_config(args)
+    args.model = cfg.model.model  # the peers run the same model
     prompts = bench.load_prompts(args.dataset, per_category=args.per_category, limit=args.limit)
     methods = _methods(args.methods)
-    llm = LLM(args.model, args.dtype, quantization=args.quantization,
-              quantize_lm_head=None if args.quantize_lm_head is None else args.quantize_lm_head == "true")
+    llm = make_llm(cfg)
     os.makedirs(args.out, exist_ok=True)
     doc = {"environment": bench.environment(llm), "dataset": os.path.abspath(args.dataset),
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes,

@@ -16,18 +16,16 @@ import sys
 import time
 from typing import Sequence
 
+from specjax.cli.common import add_model_flags, make_llm, model_config
 from specjax.config import ConfigError, SpeculativeConfig
 
 # Nothing here imports JAX or FastAPI at module level: `specjax --help` builds this parser.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model spec: 'smollm2-135m' (the default), an HF directory or a "
-                                                 ".gguf file")
+    add_model_flags(p, backend=True)  # --model, --dtype, --quantization, --kv-cache-dtype, ... as every command
     p.add_argument("--served-model-name", dest="served_model_name",
                    help="the name clients give as `model` (default: --model, or the default model's name)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--backend", choices=["auto", "cpu", "gpu", "tpu", "neuron"], default="auto")
     p.add_argument("--speculative-config", dest="speculative_config",
                    help="JSON object of SpeculativeConfig fields, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4}' (default: plain decoding)")
@@ -76,17 +74,16 @@ def run(args) -> int:
         print(f"specjax: error: `specjax serve` needs the serve extra ({e.name} is missing): "
               "pip install 'specjax[serve]'", file=sys.stderr)
         return 2
-    from specjax.api import LLM
-    from specjax.models.loading import DEFAULT_MODEL
     from specjax.runners.serving import EngineOptions
 
     spec = speculative_from_json(args.speculative_config)
     options = EngineOptions(max_batch=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
                             max_tokens=args.max_tokens, max_queue=args.max_queue, step_chunk=args.step_chunk)
     say = lambda msg: print(f"specjax serve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    model = args.model or DEFAULT_MODEL
+    cfg = model_config(args)
+    model = cfg.model.model
     t = time.perf_counter()
-    llm = LLM(model, args.dtype, backend=args.backend)
+    llm = make_llm(cfg)
     say(f"loaded {model} in {time.perf_counter() - t:.1f} s; compiling "
         f"(batch {args.max_batch}, method {spec.method or 'plain'})")
     app, engine = build_server(llm, spec, options, model_name=args.served_model_name or model, api_key=args.api_key)
