@@ -109,10 +109,15 @@ def _check_vocab(spec, config, target_config, verb: str) -> None:
 
 
 def resolve_draft_path(model: str | None) -> str:
-    """A draft path as given, or relative to the installed package (the shipped `assets/...` drafts)."""
+    """A draft path as given, relative to the installed package (the shipped `assets/...` drafts), or another
+    name the model resolver knows: an alias such as 'qwen2.5-coder-0.5b' or a Hugging Face Hub id."""
     if model is None:
         raise SpeculativeConfigError("method 'draft_model' needs `model`: the path of the draft model")
     found, packaged = find_packaged(model)
-    if found is None:
-        raise SpeculativeConfigError(f"draft model path {model!r} does not exist (also looked in {packaged})")
-    return found
+    if found is not None:
+        return found
+    from specjax.models.resolve import ALIASES, parse_hub_id, resolve
+
+    if model.strip().lower() in ALIASES or parse_hub_id(model) is not None:
+        return resolve(model).path
+    raise SpeculativeConfigError(f"draft model path {model!r} does not exist (also looked in {packaged})")
