@@ -44,6 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "max_tokens of chat requests")
     p.add_argument("--step-chunk", dest="step_chunk", type=int, default=4,
                    help="decode steps between host check-ins: streams get text and requests join this often")
+    p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, default=4 << 20,
+                   help="largest request body in bytes; a larger one gets 413 before it is read (default 4 MiB)")
+    p.add_argument("--max-prompt-chars", dest="max_prompt_chars", type=int, default=None,
+                   help="most characters of prompt text a request may send, checked before tokenizing (default: "
+                        "--max-prompt-tokens times the vocabulary's longest token)")
+    p.add_argument("--prepare-workers", dest="prepare_workers", type=int, default=2,
+                   help="threads that tokenize prompts and render chat templates, off the event loop")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM before they are cancelled")
     p.add_argument("--log-level", dest="log_level", default="info",
@@ -75,6 +82,7 @@ def run(args) -> int:
               "pip install 'specjax[serve]'", file=sys.stderr)
         return 2
     from specjax.runners.serving import EngineOptions
+    from specjax.serve.limits import ServerLimits
 
     spec = speculative_from_json(args.speculative_config)
     options = EngineOptions(max_batch=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
@@ -86,7 +94,10 @@ def run(args) -> int:
     llm = make_llm(cfg)
     say(f"loaded {model} in {time.perf_counter() - t:.1f} s; compiling "
         f"(batch {args.max_batch}, method {spec.method or 'plain'})")
-    app, engine = build_server(llm, spec, options, model_name=args.served_model_name or model, api_key=args.api_key)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                          prepare_workers=args.prepare_workers)
+    app, engine = build_server(llm, spec, options, model_name=args.served_model_name or model, api_key=args.api_key,
+                               limits=limits)
     say(f"compiled in {engine.warmup_seconds:.1f} s; serving {args.served_model_name or model!r} on "
         f"http://{args.host}:{args.port}" + (" (API key required)" if args.api_key else ""))
 

@@ -1,44 +1,55 @@
 """The OpenAI-compatible ASGI app of `specjax serve` (FastAPI), over the serving engine (`runners.serving`).
 
 Routes: POST /v1/completions and /v1/chat/completions (with `stream: true` as server-sent events, and
-`stream_options.include_usage`), GET /v1/models, /health, /metrics (Prometheus). With an API key every route but
-/health needs `Authorization: Bearer KEY`.
+`stream_options.include_usage`), GET /v1/models, /health, /metrics (Prometheus), /openapi.json. With an API key
+every route but /health needs `Authorization: Bearer KEY`, checked before the body is read (`serve.limits`).
 
 Each response carries, next to OpenAI's `usage`, `timing` (queue_time, time_to_first_token, e2e_latency, seconds)
 and, with speculation on, `spec_decode`: drafted, accepted, acceptance_rate, mean_accepted_length (tau),
 tokens_per_forward, verify_steps, per_position_acceptance / _accepted / _drafted (`requests.spec_metrics`). A
 streamed response carries them in its usage chunk (include_usage).
 
-The event loop never runs JAX: it tokenizes, submits to the engine and waits on an asyncio queue that the
-engine thread feeds (`loop.call_soon_threadsafe`). A client that disconnects (a stream closed, or a waiting
+The event loop never runs JAX and never tokenizes: a body past `ServerLimits.max_body_bytes` is refused (413)
+before it is read, and the prompt is checked (size, roles, special-token text) and tokenized on a bounded thread
+pool (`serve.prepare`); the loop submits the ids to the engine and waits on an asyncio queue that the engine
+thread feeds (`loop.call_soon_threadsafe`). A client that disconnects (a stream closed, or a waiting
 non-streamed request whose connection drops) cancels its request, which frees its slot at the next step chunk.
 
 Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 for a malformed body (the field
-named; unknown fields too) or a request the server cannot serve, 401 without the key, 404 for another model's
-name, 429 when the queue is full, 503 while shutting down, 500 when a generation fails (the rest keep running).
+named in the message and in `param`; unknown fields too) or a request the server cannot serve, 401 without the
+key, 404 for another model's name or an unknown route, 413 for a body past the limit, 429 when the queue (or the
+tokenizing pool) is full, 503 while shutting down, 500 when a generation fails (the rest keep running). Messages
+carry no file-system path and no internal type name (`public_message`). Every request the server refuses is
+counted in /metrics' specjax:request_failure{reason} (`serve.metrics`).
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+import logging
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specjax.errors import SpecjaxError
-from specjax.requests import encode_prompt
 from specjax.runners.serving import (Delta, EngineStoppedError, Failed, Finished, QueueFullError, Result,
                                      ServingEngine)
+from specjax.serve.limits import Guard, ServerLimits, too_large_message
 from specjax.serve.metrics import CONTENT_TYPE, ServerMetrics
+from specjax.serve.prepare import BusyError, Preparer
 from specjax.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 POLL_DISCONNECT_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
+_log = logging.getLogger("specjax.serve")
+# The failure reason /metrics counts for each status the server answers itself (`metrics.REASONS`).
+_STATUS_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+                   413: "too_large", 422: "bad_request", 429: "queue_full", 503: "unavailable"}
 
 
 class _HTTPError(Exception):
@@ -48,24 +59,34 @@ class _HTTPError(Exception):
 
 
 def create_app(engine: ServingEngine, model_name: str, *, api_key: str | None = None,
-               metrics: ServerMetrics | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """The app over a started engine. model_name: the name /v1/models lists and requests may give as `model`;
     api_key: None (no auth) or the bearer token every route but /health needs; metrics: the engine's observer
-    (a new one, reading only the gauges, when None)."""
+    (a new one, reading only the gauges, when None); limits: the HTTP-side limits (`ServerLimits()` when None).
+    The OpenAPI description of the routes is served at /openapi.json."""
     if metrics is None:
         metrics = ServerMetrics(engine)
+    limits = ServerLimits() if limits is None else limits
+    preparer = Preparer(engine, limits)
     created = int(time.time())
-    app = FastAPI(title="specjax", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine, app.state.metrics = engine, metrics
+    app = FastAPI(title="specjax", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  max_body_size=limits.max_body_bytes)
+    app.state.engine, app.state.metrics, app.state.preparer = engine, metrics, preparer
+    # Outermost of the app's own middleware: a request without the key is answered before its body is read.
+    app.add_middleware(Guard, api_key=api_key, refused=metrics.failed)
 
     def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-        return JSONResponse(error_body(message, kind, status, param), status_code=status)
+        return JSONResponse(error_body(public_message(message), kind, status, param), status_code=status)
+
+    def refused(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+        """A request the server turns away itself: counted in /metrics under the status's reason."""
+        metrics.failed(_STATUS_REASONS.get(status, "bad_request"))
+        return error(status, message, kind, param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
-        metrics.failed("bad_request")
         message, param = _describe_validation(exc.errors())
-        return error(400, message, "invalid_request_error", param)
+        return refused(400, message, "invalid_request_error", param)
 
     @app.exception_handler(_HTTPError)
     async def http_error(request: Request, exc: _HTTPError):
@@ -73,16 +94,20 @@ def create_app(engine: ServingEngine, model_name: str, *, api_key: str | None = 
 
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, exc: StarletteHTTPException):
-        return error(exc.status_code, str(exc.detail), "invalid_request_error")
+        if exc.status_code == 413:
+            return refused(413, too_large_message(limits.max_body_bytes), "invalid_request_error")
+        if exc.status_code == 400:  # FastAPI could not read the body (invalid UTF-8, nesting too deep for JSON)
+            return refused(400, "the request body could not be read as JSON (invalid UTF-8, or nested too deeply); "
+                                "send a JSON object", "invalid_request_error")
+        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return refused(exc.status_code, str(exc.detail), kind)
 
-    async def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise _HTTPError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                             "authentication_error")
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        # A defect, never the client's input: logged in full here, and the client gets no internals.
+        _log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        metrics.failed("error")
+        return error(500, "internal server error", "server_error")
 
     @app.get("/health")
     async def health():
@@ -91,7 +116,7 @@ def create_app(engine: ServingEngine, model_name: str, *, api_key: str | None = 
         why = engine.failure or "shutting down"
         return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
 
-    api = APIRouter(dependencies=[Depends(authorize)])
+    api = APIRouter()
 
     @api.get("/metrics")
     async def prometheus():
@@ -106,6 +131,7 @@ def create_app(engine: ServingEngine, model_name: str, *, api_key: str | None = 
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
+            metrics.failed("not_found")
             raise _HTTPError(404, f"the model {name!r} is not served here; this server serves {model_name!r} "
                                   "(GET /v1/models)", "NotFoundError", "model")
 
@@ -119,33 +145,32 @@ def create_app(engine: ServingEngine, model_name: str, *, api_key: str | None = 
             metrics.failed("unavailable")
             raise _HTTPError(503, str(e), "service_unavailable") from None
 
-    def bad_request(e: Exception) -> _HTTPError:
-        metrics.failed("bad_request")
-        return _HTTPError(400, str(e), "invalid_request_error")
+    async def prepared(make_params: Callable, work: Callable, *args):
+        """(ids, sampling params): the body's own checks on the loop, tokenizing on the pool; a refusal is a
+        counted 400 (429 when the pool is full) naming the field."""
+        try:
+            sp = make_params()
+            return await preparer.run(work, *args, sp)
+        except BusyError as e:
+            metrics.failed("queue_full")
+            raise _HTTPError(429, str(e), "rate_limit_error") from None
+        except (SpecjaxError, ValueError) as e:
+            metrics.failed("bad_request")
+            raise _HTTPError(400, str(e), "invalid_request_error", getattr(e, "param", None)) from None
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        try:
-            prompt = body.single_prompt()
-            sp = body.sampling_params(body.max_tokens, 16)
-            ids = encode_prompt(engine.tokenizer, engine.llm.config.vocab_size, prompt, False)
-            sp = engine.check(ids, sp)
-        except (SpecjaxError, ValueError) as e:
-            raise bad_request(e) from None
+        ids, sp = await prepared(lambda: body.sampling_params(body.max_tokens, 16), preparer.completion,
+                                 _single_prompt(body, metrics))
         return await _respond(request, body, ids, sp, "text_completion", f"cmpl-{uuid.uuid4().hex}")
 
     @api.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        try:
-            sp = body.sampling_params(body.requested_max_tokens(), engine.options.max_tokens)
-            ids = encode_prompt(engine.tokenizer, engine.llm.config.vocab_size, [m.as_dict() for m in body.messages],
-                                True, add_generation_prompt=body.add_generation_prompt,
-                                chat_template_kwargs=body.chat_template_kwargs)
-            sp = engine.check(ids, sp)
-        except (SpecjaxError, ValueError) as e:
-            raise bad_request(e) from None
+        ids, sp = await prepared(
+            lambda: body.sampling_params(body.requested_max_tokens(), engine.options.max_tokens), preparer.chat,
+            [m.as_dict() for m in body.messages], body.add_generation_prompt, body.chat_template_kwargs)
         return await _respond(request, body, ids, sp, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}")
 
     async def _respond(request: Request, body, ids: list[int], sp, kind: str, rid: str):
@@ -179,6 +204,26 @@ def create_app(engine: ServingEngine, model_name: str, *, api_key: str | None = 
 
     app.include_router(api)
     return app
+
+
+def _single_prompt(body: CompletionRequest, metrics: ServerMetrics):
+    try:
+        return body.single_prompt()
+    except (SpecjaxError, ValueError) as e:
+        metrics.failed("bad_request")
+        raise _HTTPError(400, str(e), "invalid_request_error", "prompt") from None
+
+
+# An absolute file-system path (POSIX or Windows) inside a message: shown by its last component only.
+_PATH = re.compile(r"(?:[A-Za-z]:\\|/)(?:[^\s/\\'\"(),:;]+[/\\])+([^\s/\\'\"(),:;]+)")
+# A Python exception's type name in front of its text ("TypeError: ...", "(PanicException: ...)").
+_TYPE_NAME = re.compile(r"\b(?:[A-Z]\w*)?(?:Error|Exception|Panic)\b:\s*")
+
+
+def public_message(message: str) -> str:
+    """`message` as a client may see it: no file-system path (only the file's name) and no internal exception
+    type name; the rest, which names the field and the fix, is kept."""
+    return _TYPE_NAME.sub("", _PATH.sub(lambda m: m.group(1), message))
 
 
 class _Shape:
@@ -258,7 +303,7 @@ async def _stream(engine: ServingEngine, handle, queue: asyncio.Queue, shape: _S
             elif isinstance(ev, Failed):
                 done = True
                 err = _failure(ev)
-                yield _sse(error_body(err.message, err.kind, err.status))
+                yield _sse(error_body(public_message(err.message), err.kind, err.status))
                 yield "data: [DONE]\n\n"
                 return
     finally:
@@ -282,23 +327,29 @@ def _spec_dict(engine: ServingEngine) -> dict | None:
 
 
 def _describe_validation(errors) -> tuple[str, str | None]:
-    """One line for pydantic's first error: the field by name (dotted path), and what is wrong with it."""
+    """One line for pydantic's first error: the field by name (dotted path), and what is wrong with it, without
+    the server's own class names."""
     if not errors:
-        return "the request body is not valid", None
+        return "the request body is not valid; send a JSON object", None
     e = errors[0]
     # Union members show up in the path as type tags ('str', 'list[int]'): dropped, the field names stay.
     loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _is_type_tag(x)]
     field = ".".join(loc) or None
     kind = e.get("type", "")
+    msg = re.sub(r" or instance of \w+", "", str(e.get("msg", "")))
     if kind == "json_invalid":
-        return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})", None
+        return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', msg)})", None
+    if field is None:
+        if kind == "missing":
+            return "the request body is empty; send a JSON object", None
+        return "the request body must be a JSON object", None
     if kind == "extra_forbidden":
         return f"unknown field {field!r}: remove it (or check its spelling)", field
     if kind == "missing":
         return f"missing field {field!r}", field
-    if field is None:
-        return f"the request body is not valid: {e.get('msg')}; send a JSON object", None
-    return f"{field}: {e.get('msg')}", field
+    if field == "seed" and kind == "less_than_equal":
+        return (f"seed: {msg}: seeds are 32-bit (0 to 2**32 - 1); a larger one is refused, not reduced", field)
+    return f"{field}: {msg}", field
 
 
 def _is_type_tag(x) -> bool:

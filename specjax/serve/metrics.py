@@ -3,8 +3,12 @@
 Counters (exposed with a `_total` suffix):
   specjax:request_success{finished_reason}         requests that finished with a result ("stop" / "length")
   specjax:request_failure{reason}                  requests that ended without one: cancelled (client gone),
-                                                   error (generation failed), shutdown, bad_request,
-                                                   queue_full, unavailable
+                                                   error (generation failed, or a server defect: 500),
+                                                   shutdown, and the refusals: bad_request (400: any body the
+                                                   server cannot read or serve, unreadable JSON included),
+                                                   unauthorized (401), not_found (404: route or model),
+                                                   method_not_allowed (405), too_large (413), queue_full (429),
+                                                   unavailable (503)
   specjax:prompt_tokens, specjax:generation_tokens  summed over finished requests (usage.prompt_tokens /
                                                    usage.completion_tokens)
   specjax:spec_decode_num_drafts                   verify steps of finished requests (spec_decode.verify_steps)

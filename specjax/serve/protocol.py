@@ -5,10 +5,16 @@ are accepted where the server honours them; the ones it cannot honour yet (n > 1
 suffix, logit_bias, tools) are refused with a message saying so. vLLM's extensions: top_k, min_p,
 repetition_penalty, min_tokens, stop_token_ids, ignore_eos, include_stop_str_in_output, chat_template_kwargs,
 add_generation_prompt; min_p, min_tokens and the penalties run inside the device loop.
+
+Types are strict (pydantic strict mode): a string or a bool where a number belongs is a 400 naming the field,
+never coerced (`"8"`, `true` and `"yes"` are refused), and NaN / infinity are refused. Numbers are bounded:
+temperature in [0, 2] and top_p in (0, 1] (OpenAI's ranges), the penalties in [-2, 2], token counts and ids
+below 2**31, and `seed` in [0, 2**32): the sampler draws from a 32-bit seed, so a larger seed is refused
+rather than silently reduced (2**32 would sample exactly as 0 does).
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,8 +22,15 @@ from specjax.config import SamplingParams
 from specjax.requests import RequestError
 
 
+MAX_SEED = 2**32 - 1  # the sampler's seeds are uint32 (`requests.sampling_arrays`)
+_INT31 = 2**31 - 1
+
+Count = Annotated[int, Field(ge=0, le=_INT31)]
+TokenId = Annotated[int, Field(ge=0, le=_INT31)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -29,20 +42,20 @@ class _Sampling(_Strict):
     """The sampling fields both endpoints share (OpenAI's names, vLLM's extensions)."""
 
     model: Optional[str] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    seed: Optional[int] = None
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1, le=_INT31)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    n: int = 1
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: Optional[int] = None
+    n: int = Field(1, ge=1, le=_INT31)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=1e6)
+    min_tokens: Optional[Count] = None
     logit_bias: Optional[dict[str, float]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -81,11 +94,11 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: Optional[int] = 16
+    prompt: Union[str, list[TokenId], list[str], list[list[TokenId]]]
+    max_tokens: Optional[int] = Field(16, ge=1, le=_INT31)
     echo: bool = False
-    logprobs: Optional[int] = None
-    best_of: Optional[int] = None
+    logprobs: Optional[Count] = None
+    best_of: Optional[Count] = None
     suffix: Optional[str] = None
 
     def single_prompt(self) -> Union[str, list[int]]:
@@ -134,10 +147,10 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[int] = Field(None, ge=1, le=_INT31)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=_INT31)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Count] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
