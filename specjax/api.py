@@ -260,7 +260,7 @@ class LLM:
             return True
         from specjax.runners import speculative
 
-        return not getattr(speculative.drafter_for(self, spec)[0], "host_side", False)
+        return not speculative.drafter_for(self, spec)[0].capabilities.host_side
 
     def _queued(self, row_ids: list[list[int]], rows: list[SamplingParams], owners, spec: SpeculativeConfig,
                 cap: int, stream: Stream | None) -> list[CompletionOutput]:

@@ -14,8 +14,6 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.draft_model import DraftModelDrafter
-
 NO_LIMIT = 2 ** 30
 CALIBRATION_STEPS = 6  # steps timed per kind (speculative, plain) on the first generation of a config
 CALIBRATION_MIN_VERIFY = 3  # verify steps a speculative chunk needs before its timing says anything
@@ -89,11 +87,11 @@ def adaptive_rule(drafter, spec):
     free lookup. None when the config turns adaptation off."""
     if not spec.adaptive:
         return None
-    # Defaults where calibration has not measured this hardware yet, from this project's CPU measurements: with the
-    # CPU kernels a verify step of gamma + 1 = 5 tokens costs 0.96-1.20 plain steps inside the loop at batch 1
-    # (reports/spec_bench_cpu/ngram_gamma/), so a lookup pays from ~0.2 accepted tokens per step (0.25 leaves a
-    # margin); a draft model also pays gamma draft forwards.
-    if isinstance(drafter, DraftModelDrafter):
+    # Defaults where calibration has not measured this hardware yet, from this project's CPU runs: with the CPU
+    # kernels a verify step of gamma + 1 = 5 tokens costs about one plain step inside the loop at batch 1 (the
+    # figures: reports/spec_bench_cpu/ngram_gamma/README.md), so a lookup pays from a small fraction of an accepted
+    # token per step (0.25 leaves a margin); a draft model also pays gamma draft forwards.
+    if drafter.capabilities.runs_draft_model:
         return Adaptive(min_gain=0.9)
     if drafter.features:
         # Head drafters (Medusa, EAGLE) verify trees of 8-33 nodes and run a head per level: a step costs several

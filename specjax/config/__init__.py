@@ -10,8 +10,8 @@ from specjax.config import files, machinery, schema
 from specjax.config.files import available_configs, load_yaml, load_yaml_dict, packaged_config_path
 from specjax.config.machinery import (
     ConfigError,
-    _did_you_mean,  # noqa: F401  (specjax.train.launch words its own unknown-name errors with it)
     apply_overrides,
+    did_you_mean,
     from_dict,
     merge,
     to_dict,

@@ -14,7 +14,7 @@ from typing import Any, Optional, TypeVar
 
 import yaml
 
-from specjax.config.machinery import ConfigError, _deep_merge, _did_you_mean, from_dict
+from specjax.config.machinery import ConfigError, deep_merge, did_you_mean, from_dict
 
 __all__ = [
     "load_yaml",
@@ -73,8 +73,8 @@ def _read_yaml(path: pathlib.Path, stack: tuple[pathlib.Path, ...]) -> dict[str,
         inc_path = pathlib.Path(inc).expanduser()
         if not inc_path.is_absolute():
             inc_path = path.parent / inc_path
-        base = _deep_merge(base, _read_yaml(inc_path, stack + (resolved,)))
-    return _deep_merge(base, data)
+        base = deep_merge(base, _read_yaml(inc_path, stack + (resolved,)))
+    return deep_merge(base, data)
 
 
 def load_yaml(cls: type[T], path: str | pathlib.Path) -> T:
@@ -87,7 +87,7 @@ def load_yaml(cls: type[T], path: str | pathlib.Path) -> T:
         raise ConfigError(f"{path}: {err}") from None
 
 
-def _package_root() -> Optional[pathlib.Path]:
+def package_root() -> Optional[pathlib.Path]:
     try:
         root = importlib.resources.files("specjax.configs")
     except ModuleNotFoundError:
@@ -98,7 +98,7 @@ def _package_root() -> Optional[pathlib.Path]:
 
 def available_configs() -> list[str]:
     """Names of the YAML configs shipped in `specjax.configs`, e.g. ['default', 'methods/ngram', ...]."""
-    root = _package_root()
+    root = package_root()
     if root is None:
         return []
     names = []
@@ -113,7 +113,7 @@ def packaged_config_path(name: str | pathlib.Path) -> pathlib.Path:
     `specjax.configs` package, else `name` as a filesystem path. Raises ConfigError listing the
     available names when neither exists."""
     text = str(name)
-    root = _package_root()
+    root = package_root()
     if root is not None and text:
         rel = text if text.endswith(_YAML_SUFFIXES) else text + ".yaml"
         candidate = (root / rel).resolve()
@@ -126,6 +126,6 @@ def packaged_config_path(name: str | pathlib.Path) -> pathlib.Path:
     avail = available_configs()
     stem = text[: -len(".yaml")] if text.endswith(".yaml") else text
     raise ConfigError(
-        f"no config named {text!r}: not a packaged config and no such file{_did_you_mean(stem, avail)}; "
+        f"no config named {text!r}: not a packaged config and no such file{did_you_mean(stem, avail)}; "
         f"available: {', '.join(avail) or '(none installed)'}")
 

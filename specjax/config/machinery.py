@@ -36,6 +36,7 @@ __all__ = [
     "to_yaml",
     "merge",
     "apply_overrides",
+    "did_you_mean",
 ]
 
 T = TypeVar("T")
@@ -82,18 +83,18 @@ def _join(prefix: str, path: str) -> str:
     return prefix + path if path.startswith("[") else f"{prefix}.{path}"
 
 
-def _invalid(path: str, value: Any, reason: str) -> ConfigError:
+def invalid(path: str, value: Any, reason: str) -> ConfigError:
     """`invalid <path>=<value>: <reason>` -- `reason` should end with how to fix it."""
     return ConfigError("", path=path, template=f"invalid {ConfigError.PATH}={value!r}: {reason}")
 
 
-def _did_you_mean(word: Any, choices: Sequence[str]) -> str:
+def did_you_mean(word: Any, choices: Sequence[str]) -> str:
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _unknown_key(key: str, where: str, root: str, choices: Sequence[str]) -> ConfigError:
-    hint = _did_you_mean(key, choices) or f"; valid keys: {', '.join(sorted(choices))}"
+def unknown_key(key: str, where: str, root: str, choices: Sequence[str]) -> ConfigError:
+    hint = did_you_mean(key, choices) or f"; valid keys: {', '.join(sorted(choices))}"
     return ConfigError("", path=where, template=f"unknown key {key!r} in {ConfigError.PATH}{hint}", root=root)
 
 
@@ -109,7 +110,7 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def _init_params(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def init_params(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(all keyword names __init__ accepts, the required ones). Includes InitVar aliases such as max_tokens."""
     params = [p for p in inspect.signature(cls).parameters.values() if p.kind is not p.VAR_KEYWORD]
     names = tuple(p.name for p in params)
@@ -134,7 +135,7 @@ def _is_union(tp: Any) -> bool:
     return typing.get_origin(tp) in (Union, types.UnionType)
 
 
-def _coerce(tp: Any, value: Any, path: str) -> Any:
+def coerce(tp: Any, value: Any, path: str) -> Any:
     """Check `value` against the annotation `tp` and convert it to its canonical form (lists -> tuples,
     mappings -> dataclasses, ints -> floats). Raises ConfigError located at `path`."""
     if tp is Any:
@@ -142,13 +143,13 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is type(None):
         if value is None:
             return None
-        raise _invalid(path, value, "expected null")
+        raise invalid(path, value, "expected null")
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, tp):
             return value
         if isinstance(value, Mapping):
             return from_dict(tp, value, where=path)
-        raise _invalid(path, value, f"expected a mapping of {tp.__name__} keys, got {type(value).__name__}")
+        raise invalid(path, value, f"expected a mapping of {tp.__name__} keys, got {type(value).__name__}")
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if _is_union(tp):
@@ -158,37 +159,37 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         errors = []
         for member in members:
             try:
-                return _coerce(member, value, path)
+                return coerce(member, value, path)
             except ConfigError as err:
                 errors.append(err)
         if len(members) == 1:
             # Optional[X]: X's own message (it lists Literal choices) is the most useful one.
             raise errors[0]
-        raise _invalid(path, value, f"expected {_type_name(tp)}")
+        raise invalid(path, value, f"expected {_type_name(tp)}")
     if origin is Literal:
         for choice in args:
             # `True == 1`, so compare types too: a Literal of strings must not accept a bool.
             if value == choice and type(value) is type(choice):
                 return choice
         shown = ", ".join(repr(c) for c in args)
-        raise _invalid(path, value, f"must be one of {shown}{_did_you_mean(value, [str(c) for c in args])}")
+        raise invalid(path, value, f"must be one of {shown}{did_you_mean(value, [str(c) for c in args])}")
     if origin in (tuple, list, Sequence, typing.Sequence) or tp in (tuple, list):
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise _invalid(path, value, f"expected a list, got {type(value).__name__}")
+            raise invalid(path, value, f"expected a list, got {type(value).__name__}")
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             if len(value) != len(args):
-                raise _invalid(path, value, f"expected a list of exactly {len(args)} items")
-            return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+                raise invalid(path, value, f"expected a list of exactly {len(args)} items")
+            return tuple(coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
         item = args[0] if args else Any
-        return tuple(_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+        return tuple(coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise _invalid(path, value, "expected true or false")
+        raise invalid(path, value, "expected true or false")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise _invalid(path, value, f"expected an integer, got {type(value).__name__}")
+        raise invalid(path, value, f"expected an integer, got {type(value).__name__}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -198,24 +199,24 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise _invalid(path, value, f"expected a number, got {type(value).__name__}")
+        raise invalid(path, value, f"expected a number, got {type(value).__name__}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise _invalid(path, value, f"expected a string, got {type(value).__name__} (quote it in YAML)")
+        raise invalid(path, value, f"expected a string, got {type(value).__name__} (quote it in YAML)")
     if isinstance(tp, type):
         if isinstance(value, tp):
             return value
-        raise _invalid(path, value, f"expected {tp.__name__}, got {type(value).__name__}")
+        raise invalid(path, value, f"expected {tp.__name__}, got {type(value).__name__}")
     raise TypeError(f"specjax.config cannot check values of type {tp!r} at {path!r}")
 
 
-def _normalize(obj: Any) -> None:
+def normalize(obj: Any) -> None:
     """Type-check and canonicalize every field of a frozen dataclass in place (for __post_init__)."""
     hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        new = _coerce(hints[f.name], value, f.name)
+        new = coerce(hints[f.name], value, f.name)
         if new is not value:
             object.__setattr__(obj, f.name, new)
 
@@ -232,15 +233,15 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
     if not isinstance(data, Mapping):
         raise ConfigError(
             f"{where or cls.__name__} must be a mapping of {cls.__name__} keys, got {type(data).__name__}")
-    names, required = _init_params(cls)
+    names, required = init_params(cls)
     aliases = _aliases(cls)
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if not isinstance(key, str):
-            raise _unknown_key(repr(key), where, cls.__name__, names)
+            raise unknown_key(repr(key), where, cls.__name__, names)
         name = aliases.get(key, key)
         if name not in names:
-            raise _unknown_key(key, where, cls.__name__, names)
+            raise unknown_key(key, where, cls.__name__, names)
         if name in kwargs:
             raise ConfigError(
                 f"{_join(where, name)} is given twice (once as {key!r}); keep only one of them")
@@ -257,7 +258,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
             tp = hints.get(name, Any)
             if isinstance(tp, InitVar):
                 tp = tp.type
-            kwargs[name] = _coerce(tp, value, name)
+            kwargs[name] = coerce(tp, value, name)
         return cls(**kwargs)
     except ConfigError as err:
         raise err.under(where) from None
@@ -285,12 +286,12 @@ def to_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
 
 
-def _deep_merge(base: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(base: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
     """`overlay` on top of `base`: mappings merge key by key, everything else (lists too) is replaced."""
     out = dict(base)
     for key, value in overlay.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -326,7 +327,7 @@ def merge(cfg: T, mapping: Mapping[str, Any]) -> T:
     if not isinstance(mapping, Mapping):
         raise ConfigError(f"merge needs a mapping, got {type(mapping).__name__}")
     cls = type(cfg)
-    merged = _deep_merge(to_dict(cfg), _canonical_keys(cls, mapping))
+    merged = deep_merge(to_dict(cfg), _canonical_keys(cls, mapping))
     return from_dict(cls, merged)
 
 
@@ -381,7 +382,7 @@ def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
             names = [f.name for f in dataclasses.fields(cls)]
             name = _aliases(cls).get(part, part)
             if name not in names:
-                raise _unknown_key(part, ".".join(canonical), root_cls.__name__,
+                raise unknown_key(part, ".".join(canonical), root_cls.__name__,
                                    names + list(_aliases(cls)))
             canonical.append(name)
             tp = _hints(cls)[name]
@@ -395,7 +396,7 @@ def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
             node = child
         leaf = canonical[-1]
         if isinstance(value, Mapping) and isinstance(node.get(leaf), dict):
-            node[leaf] = _deep_merge(node[leaf], value)
+            node[leaf] = deep_merge(node[leaf], value)
         else:
             node[leaf] = value
     return merge(cfg, patch)

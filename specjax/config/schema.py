@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from specjax.config.files import _package_root, load_yaml, load_yaml_dict, packaged_config_path
-from specjax.config.machinery import (ConfigError, _coerce, _init_params, _invalid, _normalize, _unknown_key,
+from specjax.config.files import package_root, load_yaml, load_yaml_dict, packaged_config_path
+from specjax.config.machinery import (ConfigError, coerce, init_params, invalid, normalize, unknown_key,
                                       apply_overrides, from_dict, merge)
 
 __all__ = [
@@ -42,10 +42,10 @@ def _suggest_unknown_keys(cls: type) -> type:
 
     @functools.wraps(init)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        names, _ = _init_params(cls)
+        names, _ = init_params(cls)
         for key in kwargs:
             if key not in names:
-                raise _unknown_key(key, "", cls.__name__, names)
+                raise unknown_key(key, "", cls.__name__, names)
         init(self, *args, **kwargs)
 
     cls.__init__ = __init__
@@ -84,14 +84,14 @@ class ModelConfig:
     kv_cache_dtype: Optional[Literal["int8"]] = None
 
     def __post_init__(self) -> None:
-        _normalize(self)
+        normalize(self)
         if not self.model.strip():
-            raise _invalid("model", self.model, "must name a model; use e.g. 'smollm2-135m' or a local path")
+            raise invalid("model", self.model, "must name a model; use e.g. 'smollm2-135m' or a local path")
         if self.quantization_group_size < 32 or self.quantization_group_size % 32:
-            raise _invalid("quantization_group_size", self.quantization_group_size,
+            raise invalid("quantization_group_size", self.quantization_group_size,
                            "must be a positive multiple of 32 that divides the model's input dimensions, e.g. 64")
         if self.max_context is not None and self.max_context < 1:
-            raise _invalid("max_context", self.max_context,
+            raise invalid("max_context", self.max_context,
                            "must be >= 1; use null for the model's own context length")
 
 
@@ -148,54 +148,54 @@ class SamplingParams:
         if isinstance(self.stop, str):
             # vLLM accepts one stop string as a plain string.
             object.__setattr__(self, "stop", (self.stop,))
-        _normalize(self)
+        normalize(self)
         if max_tokens is not None:
-            max_tokens = _coerce(int, max_tokens, "max_tokens")
+            max_tokens = coerce(int, max_tokens, "max_tokens")
             default = SamplingParams.__dataclass_fields__["max_new_tokens"].default
             if self.max_new_tokens not in (default, max_tokens):
-                raise _invalid("max_tokens", max_tokens,
+                raise invalid("max_tokens", max_tokens,
                                f"conflicts with max_new_tokens={self.max_new_tokens}; give only one of them")
             object.__setattr__(self, "max_new_tokens", max_tokens)
         if self.max_new_tokens < 1:
-            raise _invalid("max_new_tokens", self.max_new_tokens, "must be >= 1; ask for at least one token")
+            raise invalid("max_new_tokens", self.max_new_tokens, "must be >= 1; ask for at least one token")
         if self.max_new_tokens > MAX_INT32:
-            raise _invalid("max_new_tokens", self.max_new_tokens, "must be < 2**31 (and fit the model's context)")
+            raise invalid("max_new_tokens", self.max_new_tokens, "must be < 2**31 (and fit the model's context)")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise _invalid("temperature", self.temperature,
+            raise invalid("temperature", self.temperature,
                            "must be a finite number >= 0; use 0 for greedy decoding or e.g. 0.7 to sample")
         if self.top_k < 0:
-            raise _invalid("top_k", self.top_k, "must be >= 0; use 0 to switch top-k filtering off")
+            raise invalid("top_k", self.top_k, "must be >= 0; use 0 to switch top-k filtering off")
         if self.top_k > MAX_INT32:
-            raise _invalid("top_k", self.top_k, "must be < 2**31; any value past the vocabulary size keeps every "
+            raise invalid("top_k", self.top_k, "must be < 2**31; any value past the vocabulary size keeps every "
                                                 "token, and 0 switches top-k off")
         if not (0 < self.top_p <= 1):
-            raise _invalid("top_p", self.top_p, "must be in (0, 1]; use 1.0 to switch nucleus sampling off")
+            raise invalid("top_p", self.top_p, "must be in (0, 1]; use 1.0 to switch nucleus sampling off")
         if not (0 <= self.min_p <= 1):
-            raise _invalid("min_p", self.min_p, "must be in [0, 1]; use 0.0 to switch min-p filtering off")
+            raise invalid("min_p", self.min_p, "must be in [0, 1]; use 0.0 to switch min-p filtering off")
         if self.seed is not None and self.seed < 0:
-            raise _invalid("seed", self.seed, "must be >= 0; use a non-negative integer, or null for a fresh seed")
+            raise invalid("seed", self.seed, "must be >= 0; use a non-negative integer, or null for a fresh seed")
         for i, text in enumerate(self.stop):
             if not text:
-                raise _invalid(f"stop[{i}]", text, "stop strings must be non-empty; remove the empty one")
+                raise invalid(f"stop[{i}]", text, "stop strings must be non-empty; remove the empty one")
         for i, tok in enumerate(self.stop_token_ids):
             if tok < 0 or tok > MAX_INT32:
-                raise _invalid(f"stop_token_ids[{i}]", tok, "token ids must be in [0, 2**31)")
+                raise invalid(f"stop_token_ids[{i}]", tok, "token ids must be in [0, 2**31)")
         if self.n < 1 or self.n > MAX_N:
-            raise _invalid("n", self.n, f"must be in [1, {MAX_N}] (samples per prompt)")
+            raise invalid("n", self.n, f"must be in [1, {MAX_N}] (samples per prompt)")
         if self.min_tokens < 0:
-            raise _invalid("min_tokens", self.min_tokens, "must be >= 0; use 0 to let generation stop at once")
+            raise invalid("min_tokens", self.min_tokens, "must be >= 0; use 0 to let generation stop at once")
         if self.min_tokens > self.max_new_tokens:
-            raise _invalid("min_tokens", self.min_tokens,
+            raise invalid("min_tokens", self.min_tokens,
                            f"must be <= max_new_tokens={self.max_new_tokens}; lower it or raise max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise _invalid("logprobs", self.logprobs,
+            raise invalid("logprobs", self.logprobs,
                            f"must be in [0, {MAX_LOGPROBS}] (top log-probabilities per token) or null for none")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -2 <= value <= 2):
-                raise _invalid(name, value, "must be in [-2, 2]; use 0.0 to switch it off")
+                raise invalid(name, value, "must be in [-2, 2]; use 0.0 to switch it off")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise _invalid("repetition_penalty", self.repetition_penalty,
+            raise invalid("repetition_penalty", self.repetition_penalty,
                            "must be a finite number > 0; use 1.0 to switch it off")
 
     @property
@@ -249,7 +249,7 @@ class SpeculativeConfig:
         False = always speculate.
     """
 
-    method: Optional[Literal["draft_model", "ngram", "suffix", "medusa", "eagle", "eagle3"]] = None
+    method: Optional[Literal[SPECULATIVE_METHODS]] = None  # the one list of method names
     num_speculative_tokens: int = 4
     model: Optional[str] = None
     prompt_lookup_min: int = 3
@@ -268,9 +268,9 @@ class SpeculativeConfig:
     adaptive: bool = True
 
     def __post_init__(self) -> None:
-        _normalize(self)
+        normalize(self)
         if self.num_speculative_tokens < 1:
-            raise _invalid("num_speculative_tokens", self.num_speculative_tokens,
+            raise invalid("num_speculative_tokens", self.num_speculative_tokens,
                            "must be >= 1 (tokens drafted per step); use method: null to switch speculation off")
         # Upper bounds: acceptance decays geometrically with depth, so drafts this long never pay, while their
         # programs take minutes to compile and gigabytes to run.
@@ -278,42 +278,42 @@ class SpeculativeConfig:
                            ("depth", MAX_DRAFT_TOKENS), ("top_k", MAX_DRAFT_TOKENS),
                            ("total_tokens", MAX_TREE_NODES)):
             if getattr(self, name) > most:
-                raise _invalid(name, getattr(self, name), f"must be <= {most}: drafts this large never pay back "
+                raise invalid(name, getattr(self, name), f"must be <= {most}: drafts this large never pay back "
                                                           "their verify cost (typical values are 2-8, trees 8-64)")
         if self.method == "draft_model" and not self.model:
-            raise _invalid("model", self.model,
+            raise invalid("model", self.model,
                            "method 'draft_model' needs a draft model; set model to a model name or local path")
         if self.method is None and self.model is not None:
-            raise _invalid("model", self.model,
+            raise invalid("model", self.model,
                            "is set but method is null; set method (e.g. 'draft_model') or model: null")
         if self.model is not None and not self.model.strip():
-            raise _invalid("model", self.model, "must not be empty; use null for no model")
+            raise invalid("model", self.model, "must not be empty; use null for no model")
         if self.prompt_lookup_min < 1:
-            raise _invalid("prompt_lookup_min", self.prompt_lookup_min, "must be >= 1 (n-gram length)")
+            raise invalid("prompt_lookup_min", self.prompt_lookup_min, "must be >= 1 (n-gram length)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise _invalid("prompt_lookup_min", self.prompt_lookup_min,
+            raise invalid("prompt_lookup_min", self.prompt_lookup_min,
                            f"must be <= prompt_lookup_max={self.prompt_lookup_max}; lower it or raise the max")
         if self.suffix_max_depth < 1:
-            raise _invalid("suffix_max_depth", self.suffix_max_depth, "must be >= 1")
+            raise invalid("suffix_max_depth", self.suffix_max_depth, "must be >= 1")
         if not (0 <= self.suffix_min_token_prob <= 1):
-            raise _invalid("suffix_min_token_prob", self.suffix_min_token_prob, "must be in [0, 1]")
+            raise invalid("suffix_min_token_prob", self.suffix_min_token_prob, "must be in [0, 1]")
         if not (math.isfinite(self.suffix_max_spec_factor) and self.suffix_max_spec_factor > 0):
-            raise _invalid("suffix_max_spec_factor", self.suffix_max_spec_factor, "must be a finite number > 0")
+            raise invalid("suffix_max_spec_factor", self.suffix_max_spec_factor, "must be a finite number > 0")
         for name in ("top_k", "depth", "total_tokens"):
             if getattr(self, name) < 1:
-                raise _invalid(name, getattr(self, name), "must be >= 1 (draft tree shape)")
+                raise invalid(name, getattr(self, name), "must be >= 1 (draft tree shape)")
         if self.tree_choices is not None:
             _check_tree(self.tree_choices)
         if self.lookup_tokens < 0:
-            raise _invalid("lookup_tokens", self.lookup_tokens, "must be >= 0 (0 = no lookup branch)")
+            raise invalid("lookup_tokens", self.lookup_tokens, "must be >= 0 (0 = no lookup branch)")
         if self.lookup_tokens and self.method not in ("eagle", "eagle3", "medusa"):
-            raise _invalid("lookup_tokens", self.lookup_tokens,
+            raise invalid("lookup_tokens", self.lookup_tokens,
                            f"merges a lookup branch into a head's tree, so it needs method eagle, eagle3 or medusa "
                            f"(got {self.method!r}); for lookups alone use method 'ngram'")
         if not (0 < self.typical_posterior_threshold <= 1):
-            raise _invalid("typical_posterior_threshold", self.typical_posterior_threshold, "must be in (0, 1]")
+            raise invalid("typical_posterior_threshold", self.typical_posterior_threshold, "must be in (0, 1]")
         if not (0 <= self.typical_posterior_alpha <= 1):
-            raise _invalid("typical_posterior_alpha", self.typical_posterior_alpha, "must be in [0, 1]")
+            raise invalid("typical_posterior_alpha", self.typical_posterior_alpha, "must be in [0, 1]")
 
     @property
     def enabled(self) -> bool:
@@ -337,16 +337,16 @@ def _check_tree(choices: tuple[tuple[int, ...], ...]) -> None:
     for i, path in enumerate(choices):
         where = f"tree_choices[{i}]"
         if not path:
-            raise _invalid(where, list(path), "tree paths must be non-empty lists of top-k ranks")
+            raise invalid(where, list(path), "tree paths must be non-empty lists of top-k ranks")
         if any(r < 0 for r in path):
-            raise _invalid(where, list(path), "top-k ranks must be >= 0")
+            raise invalid(where, list(path), "top-k ranks must be >= 0")
         if path in seen:
-            raise _invalid(where, list(path), "duplicate tree path; list each node once")
+            raise invalid(where, list(path), "duplicate tree path; list each node once")
         seen.add(path)
     for i, path in enumerate(choices):
         parent = path[:-1]
         if parent and parent not in seen:
-            raise _invalid(f"tree_choices[{i}]", list(path),
+            raise invalid(f"tree_choices[{i}]", list(path),
                            f"its parent {list(parent)} is missing; every prefix of a path must be listed too")
 
 
@@ -362,11 +362,11 @@ class BackendConfig:
     mesh: Optional[str] = None
 
     def __post_init__(self) -> None:
-        _normalize(self)
+        normalize(self)
         if not self.attention_impl.strip():
-            raise _invalid("attention_impl", self.attention_impl, "must not be empty; use 'auto'")
+            raise invalid("attention_impl", self.attention_impl, "must not be empty; use 'auto'")
         if self.mesh is not None and not self.mesh.strip():
-            raise _invalid("mesh", self.mesh, "must name the axes, e.g. 'data=2,model=4'; use null for one device")
+            raise invalid("mesh", self.mesh, "must name the axes, e.g. 'data=2,model=4'; use null for one device")
 
 
 @_suggest_unknown_keys
@@ -383,15 +383,15 @@ class RunConfig:
     prompts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _normalize(self)
+        normalize(self)
         if self.batch_size < 1:
-            raise _invalid("batch_size", self.batch_size, "must be >= 1")
+            raise invalid("batch_size", self.batch_size, "must be >= 1")
 
 
 def load_run_config(config: Optional[str | pathlib.Path] = None, overrides: Sequence[str] = ()) -> RunConfig:
     """The CLI's config: packaged `default.yaml`, then `config` (a packaged name such as 'methods/ngram' or a
     file path) merged over it, then `key=value` overrides."""
-    root = _package_root()
+    root = package_root()
     default = root / "default.yaml" if root is not None else None
     cfg = load_yaml(RunConfig, default) if default is not None and default.is_file() else RunConfig()
     if config is not None:

@@ -16,10 +16,17 @@ proposal turns out empty the engine decodes plainly without calling `observe_pla
 
 `tree` fixes the node budget N and the maximum depth of every proposal; `mode` names how the proposal was
 drawn, which decides the acceptance rule ("deterministic" for lookups and top-k trees, "iid" / "wor" for
-sampled drafts, whose q the proposal must carry).
+sampled drafts, whose q the proposal must carry); `features` names the target features the drafter reads (empty:
+none, so the engines skip collecting them).
+
+What a runner must know about a drafter before it runs one is declared, never probed: `capabilities` (a frozen
+`DrafterCapabilities`) says whether it proposes on the host and which draft model's KV cache it allocates. Every
+drafter derives from `DrafterBase`, whose default is a device-side drafter without a cache of its own;
+`capabilities_of(None)` is plain decoding's.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, NamedTuple, Protocol
 
@@ -48,10 +55,33 @@ class Proposal(NamedTuple):
     q: Any  # [B, N, V] float32: q[:, i] = distribution the children of node i were drawn from; None if deterministic
 
 
+@dataclasses.dataclass(frozen=True)
+class DrafterCapabilities:
+    """What the runners ask of a drafter before they run it.
+
+    host_side: proposes on the host (a Python index stepped between jitted verify calls), so it cannot run
+        inside a fused device loop: the batch job, the serving engine, the Neuron policy and the queued
+        `LLM.generate` path refuse it or route around it, and the tuner and stream benchmark skip it.
+    draft_config: the LlamaConfig of the draft model whose own KV cache the drafter allocates beside the
+        target's (memory preflight counts it, back-off asks more acceptance of it), or None.
+    """
+
+    host_side: bool = False
+    draft_config: Any = None
+
+    @property
+    def runs_draft_model(self) -> bool:
+        return self.draft_config is not None
+
+
+DEVICE_SIDE = DrafterCapabilities()
+
+
 class Drafter(Protocol):
     tree: TreeSpec
     mode: str
     features: tuple  # target features read from ctx.target_hidden: () none, "final" and/or layer indices
+    capabilities: DrafterCapabilities
 
     def init(self, dparams, target_params, prompts, prompt_lens, capacity: int, features=None): ...
 
@@ -62,7 +92,19 @@ class Drafter(Protocol):
     def observe_plain(self, dparams, dstate, ctx: DraftContext): ...
 
 
-class Stateless:
+class DrafterBase:
+    """The base every drafter derives from: declares the default capabilities (device side, no draft-model
+    cache). A drafter that differs overrides `capabilities` with a class attribute or a property."""
+
+    capabilities: DrafterCapabilities = DEVICE_SIDE
+
+
+def capabilities_of(drafter) -> DrafterCapabilities:
+    """A drafter's declared capabilities; plain decoding (no drafter) has the defaults."""
+    return DEVICE_SIDE if drafter is None else drafter.capabilities
+
+
+class Stateless(DrafterBase):
     """Mixin for drafters that keep no state between steps (lookups, Medusa heads): `init` returns an empty
     pytree and `update` / `observe_plain` leave it as it is."""
 

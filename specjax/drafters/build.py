@@ -13,14 +13,12 @@ import jax
 import jax.numpy as jnp
 
 from specjax import acceptance
+from specjax.config import SPECULATIVE_METHODS
 from specjax.drafters.base import find_packaged
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.errors import SpecjaxError
 from specjax.models.llama import fuse_projections
-
-METHODS = ("ngram", "draft_model", "suffix", "medusa", "eagle", "eagle3")
-
 
 class SpeculativeConfigError(SpecjaxError, ValueError):
     """The speculative configuration cannot be used with this target model."""
@@ -57,7 +55,7 @@ def build_drafter(spec, target_params: dict, target_config, dtype: str = "float3
     else:
         raise SpeculativeConfigError(
             f"speculative method {spec.method!r} is not available in this build of specjax; "
-            f"available: {', '.join(repr(m) for m in METHODS)}")
+            f"available: {', '.join(repr(m) for m in SPECULATIVE_METHODS)}")
     built = _with_acceptance(built, spec)
     if spec.lookup_tokens:
         from specjax.drafters.with_lookup import WithLookup

@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import DraftContext, Proposal
+from specjax.drafters.base import DraftContext, DrafterBase, DrafterCapabilities, Proposal
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward
 from specjax.sampling import process_logits, sample, uniforms
@@ -34,7 +34,7 @@ DRAFT_STREAM = 2  # RNG stream of draft sampling, distinct from the target's
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModelDrafter:
+class DraftModelDrafter(DrafterBase):
     config: LlamaConfig
     num_speculative_tokens: int = 4
     target_vocab_size: int = 0
@@ -45,6 +45,10 @@ class DraftModelDrafter:
     @property
     def tree(self) -> TreeSpec:
         return chain(self.num_speculative_tokens)
+
+    @property
+    def capabilities(self) -> DrafterCapabilities:
+        return DrafterCapabilities(draft_config=self.config)
 
     def init(self, dparams, target_params, prompts, prompt_lens, capacity, features=None):
         c = self.config

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import DraftContext, Proposal, find_packaged
+from specjax.drafters.base import DraftContext, DrafterBase, Proposal, find_packaged
 from specjax.heads.eagle import HeadConfig, head_hidden, head_logits, init_head_cache, to_target_ids
 from specjax.kv_cache import KVCache
 from specjax.models.llama import dense_mask
@@ -58,7 +58,7 @@ class EagleDrafterError(SpecjaxError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter:
+class EagleDrafter(DrafterBase):
     head: HeadConfig
     top_k: int = 8
     depth: int = 5

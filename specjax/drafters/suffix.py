@@ -12,7 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import Proposal, Stateless
+from specjax.drafters.base import DrafterCapabilities, Proposal, Stateless
 from specjax.drafters.suffix_tree import SuffixIndex, proposal_to_fixed, speculate
 from specjax.tree import TreeSpec, chain
 
@@ -26,7 +26,7 @@ class SuffixDrafter(Stateless):
     max_tree_depth: int = 8
     mode: str = "deterministic"
     features: tuple = ()
-    host_side: bool = True
+    capabilities = DrafterCapabilities(host_side=True)  # a class attribute, not a field
 
     @classmethod
     def from_config(cls, spec) -> "SuffixDrafter":

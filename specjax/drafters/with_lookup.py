@@ -20,7 +20,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from specjax.drafters.base import DraftContext, Proposal
+from specjax.drafters.base import DraftContext, DrafterBase, DrafterCapabilities, Proposal
 from specjax.drafters.ngram import NgramDrafter
 from specjax.tree import TreeSpec
 from specjax.errors import SpecjaxError
@@ -31,7 +31,7 @@ class MergedDrafterError(SpecjaxError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class WithLookup:
+class WithLookup(DrafterBase):
     base: Any  # a drafter with deterministic (or typical) candidates: EagleDrafter, MedusaDrafter
     lookup: NgramDrafter
 
@@ -51,6 +51,10 @@ class WithLookup:
     @property
     def features(self) -> tuple:
         return self.base.features
+
+    @property
+    def capabilities(self) -> DrafterCapabilities:
+        return self.base.capabilities
 
     @property
     def tree(self) -> TreeSpec:

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import compile_time
+from specjax.drafters.base import capabilities_of
 from specjax.engine import FINISH_RUNNING
 from specjax.requests import RequestOutput, build_output, check_requests, num_stop, pad_prompts, sampling_arrays
 
@@ -168,8 +169,7 @@ def check_memory(llm, b, variant, what: str = "this generation") -> None:
     """`memory.preflight` for a variant's buckets: the target's cache, a draft model's, a verify pass's buffers."""
     from specjax.memory import preflight
 
-    drafter = getattr(variant, "drafter", None)
-    draft_config = getattr(drafter, "config", None) if type(drafter).__name__ == "DraftModelDrafter" else None
+    draft_config = capabilities_of(variant.drafter).draft_config
     itemsize = np.dtype(jnp.dtype(getattr(llm, "dtype", None) or "float32")).itemsize
     preflight(llm.config, b, itemsize, max(1, variant.extra_slots), draft_config, what=what)
 
@@ -257,6 +257,7 @@ class DeviceVariant:
 
     extra_slots = 0
     stream = None
+    drafter = None  # the speculative variants' drafter; plain decoding has none
 
     def state_shapes(self, b, sampling):
         B, P = b.batch, b.prompt_len

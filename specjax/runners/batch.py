@@ -188,7 +188,7 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
     if spec.enabled:
         with on_mesh():
             drafter, dparams = drafter_for(llm, spec)
-        if getattr(drafter, "host_side", False):
+        if drafter.capabilities.host_side:
             raise BatchError(f"speculative method {spec.method!r} drafts on the host and cannot run inside the "
                              "batch decode loop; use 'ngram' or 'draft_model'")
         adaptive = adaptive_rule(drafter, spec)

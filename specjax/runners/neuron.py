@@ -21,6 +21,7 @@ from specjax.backends.neuron import (BucketTable, NeuronBucketError, NeuronPolic
 from specjax.backends.registry import CompilePolicy, get_compile_policy
 from specjax.buckets import Buckets
 from specjax.config import SpeculativeConfig
+from specjax.drafters.base import capabilities_of
 from specjax.requests import encode_prompt, normalise, spec_metrics
 from specjax.runners.base import DeviceVariant, generate as run_variant
 from specjax.runners.speculative import drafter_for
@@ -71,7 +72,7 @@ class NeuronRunner:
                  policy: CompilePolicy | None = None):
         if steps_per_call < 1:
             raise NeuronPolicyError(f"steps_per_call must be >= 1, got {steps_per_call}")
-        if drafter is not None and getattr(drafter, "host_side", False):
+        if capabilities_of(drafter).host_side:
             raise NeuronPolicyError(
                 f"{type(drafter).__name__} proposes on the host; the Neuron runner fuses drafting into the "
                 "compiled step, so use a device drafter ('ngram' or 'draft_model')")
@@ -307,7 +308,7 @@ def generate_neuron(llm, prompts_token_ids, sampling_params=None, speculative_co
     drafter = dparams = None
     if spec.enabled:
         drafter, dparams = drafter_for(llm, spec)
-        if getattr(drafter, "host_side", False):
+        if drafter.capabilities.host_side:
             raise NeuronPolicyError(
                 f"speculative method {spec.method!r} proposes on the host; under the Neuron policy drafting is "
                 "fused into the compiled step: use 'ngram' or 'draft_model'")

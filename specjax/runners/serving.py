@@ -205,7 +205,7 @@ class ServingEngine:
         if self.spec.enabled:
             with self._on_mesh():
                 drafter, dparams = drafter_for(llm, self.spec)
-            if getattr(drafter, "host_side", False):
+            if drafter.capabilities.host_side:
                 raise RequestError(f"speculative method {self.spec.method!r} drafts on the host and cannot run in "
                                    "the serving batch loop; use ngram, draft_model, medusa, eagle or eagle3")
             adaptive = adaptive_rule(drafter, self.spec)

@@ -77,7 +77,7 @@ class SpecVariant(DeviceVariant):
         steps, returns the finished state."""
         llm, drafter, dparams = self.llm, self.drafter, self.dparams
         key = (self.spec, b.batch)
-        if getattr(drafter, "host_side", False):
+        if drafter.capabilities.host_side:
             from specjax.drafters.suffix import SuffixHostState
 
             self.host = SuffixHostState(drafter, llm.runtime.suffix_index(drafter.max_depth).index, ids)

@@ -25,6 +25,7 @@ import time
 
 from specjax.api import LLM
 from specjax.config import SamplingParams, load_run_config
+from specjax.drafters.base import capabilities_of
 from specjax.requests import num_stop, pad_prompts, sampling_arrays
 from specjax.runners import speculative
 from specjax.runners.base import TextStream, generate as run_variant
@@ -62,7 +63,7 @@ def boundary_cost(llm, ids, sp, spec, calls: int = 50) -> tuple[float, float] | 
     then costs about this / (c x seconds per step). None for host-stepped drafters (their loop syncs every
     step)."""
     variant = PlainVariant(llm, chunk=0) if spec is None else speculative.variant_for(llm, spec, chunk=0)
-    if getattr(getattr(variant, "drafter", None), "host_side", False):
+    if capabilities_of(variant.drafter).host_side:
         return None
     b = variant.buckets(1, len(ids), sp.max_new_tokens, num_stop(llm.tokenizer, [sp]))
     tokens, lens, active = pad_prompts([ids], b.batch, b.prompt_len)

@@ -186,7 +186,7 @@ def measure_draft_cost(llm, spec: SpeculativeConfig, prompt: list[int]) -> float
     from specjax.runners.speculative import drafter_for
 
     drafter, dparams = drafter_for(llm, spec)
-    if getattr(drafter, "host_side", False):
+    if drafter.capabilities.host_side:
         return 0.0
     b = engine.make_buckets(1, len(prompt), 64, extra_slots=drafter.tree.num_nodes)
     toks, lens, act = pad_prompts([prompt], b.batch, b.prompt_len)

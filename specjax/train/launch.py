@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from specjax.config import ConfigError, _did_you_mean, load_yaml_dict, packaged_config_path
+from specjax.config import ConfigError, did_you_mean, load_yaml_dict, packaged_config_path
 from specjax.train.common import require_train_extra
 
 TRAINERS = {"draft": "specjax.train.draft_model", "medusa": "specjax.train.medusa", "eagle": "specjax.train.eagle",
@@ -45,7 +45,7 @@ def to_argv(train: Mapping[str, Any], where: str = "train") -> tuple[str, list[s
         raise ConfigError(f"{where}: must be a mapping with 'kind' and the trainer's options")
     kind = train.get("kind")
     if kind not in TRAINERS:
-        raise ConfigError(f"{where}.kind: {kind!r} is not a trainer{_did_you_mean(kind, list(TRAINERS))}; "
+        raise ConfigError(f"{where}.kind: {kind!r} is not a trainer{did_you_mean(kind, list(TRAINERS))}; "
                           f"choose one of {', '.join(TRAINERS)}")
     module_name = TRAINERS[kind]
     options = _options(importlib.import_module(module_name))
@@ -58,7 +58,7 @@ def to_argv(train: Mapping[str, Any], where: str = "train") -> tuple[str, list[s
         dest = key.replace("-", "_")
         if dest not in options:
             raise ConfigError(f"{where}.{key}: unknown option for the {kind} trainer"
-                              f"{_did_you_mean(dest, sorted(options))}; valid: {', '.join(sorted(options))}")
+                              f"{did_you_mean(dest, sorted(options))}; valid: {', '.join(sorted(options))}")
         action = options[dest]
         flag = _flag(action)
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
@@ -94,7 +94,7 @@ def main(config: str, sets: Sequence[str] = (), dry_run: bool = False) -> Any:
     data = load_yaml_dict(path)
     unknown = [k for k in data if k != "train"]
     if unknown:
-        raise ConfigError(f"{path}: unknown top-level key {unknown[0]!r}{_did_you_mean(unknown[0], ['train'])}; "
+        raise ConfigError(f"{path}: unknown top-level key {unknown[0]!r}{did_you_mean(unknown[0], ['train'])}; "
                           "a training config has one key, 'train'")
     if "train" not in data:
         raise ConfigError(f"{path}: missing the 'train' mapping (kind, data, out, ...)")
