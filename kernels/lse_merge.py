@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax.kernels.reference import _masked_attention, prefix_attention_reference_lse
+from specjax.kernels.reference import masked_attention, prefix_attention_reference_lse
 from specjax.kernels.reference import tree_attention_reference as reference
 from specjax.kernels.validation import (
     TreeAttentionInputError,
@@ -56,7 +56,7 @@ def tree_part_lse(q, k, v, lengths, tree_mask, *, scale: float):
     take = jax.vmap(lambda cache, start: lax.dynamic_slice_in_dim(cache, start, num_tokens, axis=1))
     k_tree, v_tree = take(k, lengths), take(v, lengths)  # [B, Hkv, T, D]
     kv_used = jnp.ones((k_tree.shape[0], num_tokens), jnp.bool_)
-    return _masked_attention(q, k_tree, v_tree, tree_mask, kv_used, scale)
+    return masked_attention(q, k_tree, v_tree, tree_mask, kv_used, scale)
 
 
 def merge_by_lse(out_a, lse_a, out_b, lse_b):

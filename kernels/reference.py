@@ -42,7 +42,7 @@ def visibility_mask(lengths, tree_mask, seq_len: int):
     return prefix | (tree > 0.5)
 
 
-def _masked_attention(q, k, v, visible, kv_used, scale: float):
+def masked_attention(q, k, v, visible, kv_used, scale: float):
     """Softmax attention with an explicit mask, GQA without repeating K/V.
 
     Args:
@@ -82,7 +82,7 @@ def _reference_lse_jit(q, k, v, lengths, tree_mask, scale: float):
     lens = clip_lengths(lengths, seq_len, num_tokens)
     visible = visibility_mask(lens, tree_mask, seq_len)
     kv_used = jnp.arange(seq_len, dtype=jnp.int32)[None, :] < (lens + num_tokens)[:, None]
-    out, lse = _masked_attention(q, k, v, visible, kv_used, scale)
+    out, lse = masked_attention(q, k, v, visible, kv_used, scale)
     return out.astype(q.dtype), lse
 
 
@@ -118,7 +118,7 @@ def _prefix_lse_jit(q, k, v, lengths, scale: float):
     lens = clip_lengths(lengths, seq_len, num_tokens)
     kv_used = jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lens[:, None]  # [B, S]
     visible = jnp.broadcast_to(kv_used[:, None, :], (q.shape[0], num_tokens, seq_len))
-    return _masked_attention(q, k, v, visible, kv_used, scale)
+    return masked_attention(q, k, v, visible, kv_used, scale)
 
 
 def prefix_attention_reference_lse(q, k, v, lengths, *, scale=None):

@@ -28,7 +28,7 @@ import numpy as np
 from specjax.requests import tau
 
 __all__ = ["OFF", "Costs", "Acceptance", "expected_tokens", "leviathan_expected_tokens", "predict", "predict_tree",
-           "with_plain", "choose"]
+           "with_plain", "choose", "best_speculative"]
 
 OFF = 0  # the setting "no speculation": plain decoding, a candidate like any gamma or tree size
 
@@ -111,5 +111,5 @@ def choose(pred: dict[int, dict]) -> int:
     return max(sorted(pred), key=lambda k: pred[k]["tokens_per_s"])
 
 
-def _best_speculative(pred: dict[int, dict]) -> int:
+def best_speculative(pred: dict[int, dict]) -> int:
     return choose({k: v for k, v in pred.items() if k != OFF})

@@ -37,7 +37,7 @@ from specjax.tools.cost_model import (
     OFF,
     Acceptance,
     Costs,
-    _best_speculative,
+    best_speculative,
     choose,
     leviathan_expected_tokens,
     predict,
@@ -313,7 +313,7 @@ def validate_settings(llm, prompts: list, sp: SamplingParams, settings: dict[int
     within TOLERANCE. Setting OFF (plain decoding) is the baseline run itself. The best speculative setting is
     also measured with back-off on (`adaptive`, what the engine runs by default) and printed below the table.
     Returns the entries `tune` adds to its result."""
-    best_spec = _best_speculative(pred)
+    best_spec = best_speculative(pred)
     specs = {PLAIN: None} | dict(settings) | {ADAPTIVE: dataclasses.replace(settings[best_spec], adaptive=True)}
     runs = timed_runs(llm, prompts, specs, sp, reps)
     plain_tps = runs[PLAIN].tokens_per_s
@@ -400,7 +400,7 @@ def tune(llm, spec: SpeculativeConfig, prompts: list, gammas: Sequence[int] = DE
               "chosen_gamma": best}
     log(f"alpha {alpha:.3f}; predicted best γ = {best}{' (speculation off)' if best == OFF else ''} "
         f"({pred[best]['speedup']:.2f}x)")
-    result["speculation_pays"] = _say_if_it_pays(pred[_best_speculative(pred)]["speedup"], log)
+    result["speculation_pays"] = _say_if_it_pays(pred[best_speculative(pred)]["speedup"], log)
     if validate:
         # Back-off off, as in the model; production runs keep it on for the chosen gamma.
         v = validate_settings(llm, prompts, sp, settings, pred, best, "γ",
@@ -444,7 +444,7 @@ def tune_tree(llm, spec: SpeculativeConfig, prompts: list, tree_sizes: Sequence[
               "prediction": pred, "chosen_tree_size": best}
     log(f"predicted best tree size = {best}{' (speculation off)' if best == OFF else ''} "
         f"({pred[best]['expected_tokens']:.2f} tokens/step, {pred[best]['speedup']:.2f}x)")
-    result["speculation_pays"] = _say_if_it_pays(pred[_best_speculative(pred)]["speedup"], log)
+    result["speculation_pays"] = _say_if_it_pays(pred[best_speculative(pred)]["speedup"], log)
     if validate:
         v = validate_settings(llm, prompts, sp, settings, pred, best, "size",
                               [("E[tok] meas", lambda s: pred[s]["expected_tokens"]),
