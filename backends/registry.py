@@ -1,6 +1,8 @@
-"""Which verify (tree) attention runs on which platform, and what each platform's compiler tolerates.
+"""Named verify (tree) attention for `attention_impl`, and what each platform's compiler tolerates.
 
-Attention implementations all share one signature:
+The implementations are the kernel table's op `tree_attention` (`specjax.backends.ops`, rows in
+`specjax.backends.table`); this module resolves a name (`attention_impl`) to a callable the model takes as its
+`attention_fn`. They all share one signature:
 
     fn(q, k, v, lengths, tree_mask, *, scale=None, **options) -> out
       q [B, T, Hq, D], k/v [B, Hkv, S, D], lengths [B] int, tree_mask [B, T, T] bool -> out [B, T, Hq, D]
@@ -10,8 +12,11 @@ transposed copy per layer and step.
 
 `get_attention(name, platform)` returns such a callable with the options bound. "auto" returns a dispatcher that,
 at trace time (shapes are static), calls the highest-priority implementation registered for the platform whose
-`is_supported(q, k, v, lengths, tree_mask)` accepts the shapes; the jnp reference accepts everything, so "auto"
-always has a fallback (and is the only choice on cpu and neuron).
+`is_supported(q, k, v, lengths, tree_mask)` accepts the shapes: the table's one selection rule
+(`ops.choose`, honouring `SPECJAX_KERNELS=tree_attention=...`); the jnp reference accepts everything, so "auto"
+always has a fallback. Without an `attention_fn` the model runs the op `attention` instead (the new tokens passed
+apart from the cache: XLA's prefix attention, or the C++ kernel on cpu), which is what `attention_impl="auto"`
+gives on cpu and neuron.
 
 `CompilePolicy` records per platform what the rest of specjax may emit in a compiled step (the Neuron backend
 checks jaxprs against it).
@@ -24,6 +29,8 @@ from typing import Any, Callable
 
 import jax
 
+from specjax.backends import ops
+from specjax.backends import table as _table  # noqa: F401  (registers the built-in rows)
 from specjax.errors import SpecjaxError
 
 PLATFORMS = ("cpu", "gpu", "tpu", "neuron")
@@ -86,34 +93,8 @@ def get_compile_policy(platform: str | None = None) -> CompilePolicy:
 # ------------------------------------------------------------------------------------------ attention registry
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionImpl:
-    """One registered implementation.
-
-    Attributes:
-      name: registry key.
-      fn: fn(q, k, v, lengths, tree_mask, *, scale=None, **options) -> out.
-      platforms: platforms it compiles for natively.
-      is_supported: (q, k, v, lengths, tree_mask) -> bool from shapes/dtypes only (ShapeDtypeStructs work).
-      priority: "auto" prefers higher values.
-      interpretable: a Pallas kernel that then runs on any platform when `interpret=` is set.
-      takes_interpret: fn accepts `interpret=` (Pallas kernels, and lse_merge for its Pallas prefix).
-    """
-
-    name: str
-    fn: Callable[..., Any]
-    platforms: frozenset[str]
-    is_supported: Callable[..., bool]
-    priority: int = 0
-    interpretable: bool = False
-    takes_interpret: bool = False
-
-
-_REGISTRY: dict[str, AttentionImpl] = {}
-
-
-def _always(*args) -> bool:
-    return True
+AttentionImpl = ops.Impl  # one row of the table: name, fn, platforms, is_supported, priority, interpretable, ...
+_REGISTRY: dict[str, AttentionImpl] = ops.TABLE["tree_attention"]  # the table's rows, not a copy
 
 
 def register_attention(
@@ -141,11 +122,9 @@ def register_attention(
     """
     if name in ("auto", "pallas"):
         raise AttentionUnavailableError(f"{name!r} is reserved for dispatch; register under another name.")
-    plats = frozenset(normalize_platform(p) for p in platforms)
-    takes = interpretable if takes_interpret is None else takes_interpret
-    impl = AttentionImpl(name, fn, plats, is_supported or _always, priority, interpretable, takes)
-    _REGISTRY[name] = impl
-    return impl
+    plats = [normalize_platform(p) for p in platforms]
+    return ops.register("tree_attention", name, fn, plats, is_supported, priority=priority,
+                        interpretable=interpretable, takes_interpret=takes_interpret)
 
 
 def registered_attention() -> dict[str, AttentionImpl]:
@@ -154,7 +133,7 @@ def registered_attention() -> dict[str, AttentionImpl]:
 
 
 def _usable(impl: AttentionImpl, platform: str, interpret) -> bool:
-    return platform in impl.platforms or (impl.interpretable and bool(interpret))
+    return impl.runs_on(platform) or (impl.interpretable and bool(interpret))
 
 
 def available_attention(platform: str | None = None, *, interpret=False) -> tuple[str, ...]:
@@ -185,12 +164,14 @@ class AttentionFn:
 
     def select(self, q, k, v, lengths, tree_mask) -> AttentionImpl:
         """The implementation a call with these shapes runs."""
-        for impl in self.candidates:
-            if impl.is_supported(q, k, v, lengths, tree_mask):
-                return impl
         if len(self.candidates) == 1:
             # A named implementation: let it raise its own precise UnsupportedConfigError.
             return self.candidates[0]
+        forced = ops.override("tree_attention")
+        impl = ops.choose("tree_attention", self.candidates, (q, k, v, lengths, tree_mask), {},
+                          None if forced == ops.AUTO else forced)
+        if impl is not None:
+            return impl
         raise AttentionUnavailableError(
             f"no attention implementation on {self.platform} supports q{tuple(q.shape)} {q.dtype}, "
             f"k{tuple(k.shape)}; tried {[c.name for c in self.candidates]}."
@@ -225,7 +206,7 @@ def get_attention(name: str = "auto", platform: str | None = None, *, interpret=
                 f"options {sorted(options)} need a named implementation; 'auto' picks per shape and takes none."
             )
         candidates = sorted(
-            (i for i in _REGISTRY.values() if plat in i.platforms), key=lambda i: -i.priority
+            (i for i in _REGISTRY.values() if i.runs_on(plat)), key=lambda i: -i.priority
         )
         if not candidates:
             raise AttentionUnavailableError(f"no attention implementation is registered for platform {plat!r}.")
@@ -260,54 +241,3 @@ def _bind(impl: AttentionImpl, interpret, **options) -> AttentionImpl:
         options = {"interpret": interpret, **options}
     fn = functools.partial(impl.fn, **options) if options else impl.fn
     return dataclasses.replace(impl, fn=fn)
-
-
-# ----------------------------------------------------------------------------------------- built-in entries
-
-
-def _reference(q, k, v, lengths, tree_mask, *, scale=None):
-    from specjax.kernels.reference import tree_attention_reference
-
-    return tree_attention_reference(q, k, v, lengths, tree_mask, scale=scale)
-
-
-def _lse_merge(q, k, v, lengths, tree_mask, *, scale=None, prefix_impl="reference", interpret=False):
-    from specjax.kernels.lse_merge import tree_attention_lse_merge
-
-    return tree_attention_lse_merge(
-        q, k, v, lengths, tree_mask, scale=scale, prefix_impl=prefix_impl, interpret=interpret
-    )
-
-
-def _triton(q, k, v, lengths, tree_mask, *, scale=None, block_sizes=None, interpret=False):
-    from specjax.kernels.pallas.tree_attention_gpu import tree_attention_triton
-
-    return tree_attention_triton(
-        q, k, v, lengths, tree_mask, scale=scale, block_sizes=block_sizes, interpret=interpret
-    )
-
-
-def _triton_supported(q, k, v, lengths, tree_mask) -> bool:
-    from specjax.kernels.pallas.tree_attention_gpu import is_supported
-
-    return is_supported(q, k, v, lengths, tree_mask)
-
-
-def _tpu(q, k, v, lengths, tree_mask, *, scale=None, block_sizes=None, interpret=False):
-    from specjax.kernels.pallas.tree_attention_tpu import tree_attention_tpu
-
-    return tree_attention_tpu(q, k, v, lengths, tree_mask, scale=scale, block_sizes=block_sizes, interpret=interpret)
-
-
-def _tpu_supported(q, k, v, lengths, tree_mask) -> bool:
-    from specjax.kernels.pallas.tree_attention_tpu import is_supported
-
-    return is_supported(q, k, v, lengths, tree_mask)
-
-
-register_attention("reference", _reference, PLATFORMS, priority=10)
-# lse_merge is the portable fallback; with its default jnp prefix it is not faster than the reference, so "auto"
-# ranks it below (it gathers the tree rows, which Neuron is warned against, hence no neuron entry).
-register_attention("lse_merge", _lse_merge, ("cpu", "gpu", "tpu"), priority=5, takes_interpret=True)
-register_attention("pallas_triton", _triton, ("gpu",), _triton_supported, priority=100, interpretable=True)
-register_attention("pallas_tpu", _tpu, ("tpu",), _tpu_supported, priority=100, interpretable=True)

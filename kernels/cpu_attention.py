@@ -1,7 +1,7 @@
 """A CPU kernel for the attention of decoding and verification: T new tokens over the committed KV cache and over
 themselves, one call per layer.
 
-XLA's version (`specjax.models.llama.prefix_tree_attention`) is a dozen small operations per layer over every slot
+XLA's version (`specjax.kernels.xla.prefix_tree_attention`) is a dozen small operations per layer over every slot
 of the cache's capacity, masked: a one-token step over a 2048-slot cache pays for 2048 slots however short the text,
 and a batch of 8 one-token rows or a 13-token verify block spends more in attention than in the projections. The
 C++ kernel (`cpu/prefix_attention.cc`) reads only each sequence's committed prefix, scores every query of a KV head
@@ -15,14 +15,12 @@ The four parts, as for every specjax kernel:
 - pure-jnp reference: `prefix_attention_reference(...)`, float32 math over one dense score matrix.
 - input validator: `validate_prefix_attention_inputs(...)`.
 
-`attention(...)` is what the model calls: at trace time it picks the kernel or XLA's version under
-`SPECJAX_CPU_ATTENTION`:
-- `auto` (default): the kernel on the CPU platform for blocks of at most `AUTO_MAX_TOKENS` new tokens (decoding and
-  verification; prefill chunks stay with XLA's batched products), and for any block inside
-  `cpu_build.row_invariant()` (the engines' decode and verify steps);
-- `kernel`: the kernel for every shape it supports on the CPU platform;
-- `xla`: never the kernel.
-The choice is made when a function is traced, so set the variable before the first generation of a process.
+Which implementation runs is the op table's choice (`specjax.backends.ops`, op `attention`), made when a function
+is traced: this module gives it `is_supported` (the validator; no sliding window, which the kernel does not apply)
+and `prefers`, the `auto` policy: the kernel on the CPU platform for blocks of at most `AUTO_MAX_TOKENS` new tokens
+(decoding and verification; prefill chunks stay with XLA's batched products), and for any block inside
+`cpu_build.row_invariant()` (the engines' decode and verify steps). `SPECJAX_KERNELS=attention=kernel` takes the
+kernel for every shape it supports, `attention=xla` never; XLA's version is `specjax.kernels.xla.prefix_tree_attention`.
 """
 from __future__ import annotations
 
@@ -36,8 +34,6 @@ from specjax.kernels import cpu_build
 from specjax.kernels.cpu_build import KernelBuildError
 from specjax.errors import SpecjaxError
 
-ENV_MODE = "SPECJAX_CPU_ATTENTION"
-MODES = cpu_build.MODES
 FFI_TARGET = "specjax_prefix_attention"
 # Blocks of new tokens the `auto` policy gives the kernel: decode steps, chain and tree verify blocks, batches.
 AUTO_MAX_TOKENS = 128
@@ -45,11 +41,6 @@ AUTO_MAX_TOKENS = 128
 
 class PrefixAttentionInputError(SpecjaxError, ValueError):
     """Inputs the kernel cannot take (ranks, shapes or dtypes), with what to change."""
-
-
-def mode() -> str:
-    """The `SPECJAX_CPU_ATTENTION` policy ('auto' when unset). An unknown value is an error naming the valid ones."""
-    return cpu_build.env_mode(ENV_MODE)
 
 
 def validate_prefix_attention_inputs(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask) -> None:
@@ -160,42 +151,40 @@ prefix_attention.__doc__ = """Attention of T new tokens over the committed cache
 q [B, T, Hq, D]; k_cache/v_cache [B, Hkv, S, D] float32 or bfloat16, slots s < lengths[b] visible to every new
 token; k_new/v_new [B, T, Hkv, D] (not yet in the cache; attended to as the cache will hold them, `as_cached`);
 lengths [B] int; tree_mask [B, T, T] bool; scale
-(static) -> [B, T, Hq, D] float32. Jitted entry point for direct use; the model calls `attention`. No donation: the
+(static) -> [B, T, Hq, D] float32. Jitted entry point for direct use; the model goes through the op table (op `attention`). No donation: the
 cache is only read. Raises PrefixAttentionInputError on bad shapes or dtypes, KernelBuildError without a compiler.
 CPU platform only."""
 
 
-def use_kernel(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask) -> bool:
-    """Whether `attention` takes the kernel for these shapes and dtypes here (decided at trace time)."""
-    m = mode()
-    if m == "xla" or jax.default_backend() != "cpu":
+def is_supported(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, *, scale=None, positions=None,
+                 window=None) -> bool:
+    """Whether the kernel takes these shapes and dtypes (decided at trace time). It applies no sliding window."""
+    if window is not None:
         return False
     try:
         validate_prefix_attention_inputs(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask)
     except PrefixAttentionInputError:
         return False
-    if m == "auto" and q.shape[1] > AUTO_MAX_TOKENS and not cpu_build.in_row_invariant():
-        return False
-    if not cpu_build.available():
-        cpu_build.warn_unavailable("attention", "XLA's attention")
-        return False
     return True
 
 
-def attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, *, scale: float, fallback):
-    """The model's decode/verify attention: the kernel where `use_kernel` says so (output cast to q's dtype), else
-    `fallback(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale)`. Not jitted (called inside jitted
-    forwards)."""
-    if use_kernel(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask):
-        return _kernel(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale).astype(q.dtype)
-    return fallback(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale)
+def prefers(q, *args, **options) -> bool:
+    """The `auto` policy: blocks of at most AUTO_MAX_TOKENS new tokens, any block inside `row_invariant()`."""
+    return q.shape[1] <= AUTO_MAX_TOKENS or cpu_build.in_row_invariant()
+
+
+def kernel_attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, *, scale: float, positions=None,
+                     window=None):
+    """The kernel as the op table calls it inside a traced forward, output cast to q's dtype. positions is unused
+    (window must be None: see `is_supported`)."""
+    return _kernel(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale).astype(q.dtype)
 
 
 available = cpu_build.available
 unavailable_reason = cpu_build.unavailable_reason
 
 __all__ = [
-    "AUTO_MAX_TOKENS", "ENV_MODE", "KernelBuildError", "PrefixAttentionInputError", "attention", "available", "mode",
-    "prefix_attention", "prefix_attention_reference", "unavailable_reason", "use_kernel",
+    "AUTO_MAX_TOKENS", "KernelBuildError", "PrefixAttentionInputError", "available", "is_supported",
+    "kernel_attention", "prefers", "prefix_attention", "prefix_attention_reference", "unavailable_reason",
     "validate_prefix_attention_inputs",
 ]

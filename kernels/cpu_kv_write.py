@@ -12,13 +12,12 @@ The four parts, as for every specjax kernel:
 - pure-jnp reference: `kv_write_reference(...)`, XLA's scatter with out-of-range slots dropped.
 - input validator: `validate_kv_write_inputs(...)`.
 
-`write(...)` is what `specjax.kv_cache.write_kv` calls: at trace time it picks the kernel or the reference under
-`SPECJAX_CPU_KV_WRITE`:
-- `auto` (default): the kernel on the CPU platform for bfloat16 and float16 caches, the ones XLA:CPU widens;
-- `kernel`: the kernel for every cache dtype it takes (float32 and int8 too) on the CPU platform;
-- `xla`: never the kernel.
-Under a device mesh the scatter stays with XLA, which can partition it. The choice is made when a function is traced.
-Values are copied bit for bit, so the choice never changes a result.
+Which implementation writes is the op table's choice (`specjax.backends.ops`, op `kv_write`, called by
+`specjax.kv_cache.write_kv`), made when a function is traced: this module gives it `is_supported` (the validator)
+and `prefers`, the `auto` policy: the kernel on the CPU platform for bfloat16 and float16 caches, the ones XLA:CPU
+widens. `SPECJAX_KERNELS=kv_write=kernel` takes it for every cache dtype it copies (float32 and int8 too),
+`kv_write=xla` never. Under a device mesh the scatter stays with XLA, which can partition it (the table's rule for
+every custom call). Values are copied bit for bit, so the choice never changes a result.
 """
 from __future__ import annotations
 
@@ -30,8 +29,6 @@ from specjax.errors import SpecjaxError
 from specjax.kernels import cpu_build
 from specjax.kernels.cpu_build import KernelBuildError
 
-ENV_MODE = "SPECJAX_CPU_KV_WRITE"
-MODES = cpu_build.MODES
 FFI_TARGET = "specjax_kv_write"
 # Element types the kernel copies (it moves bytes: 1, 2 or 4 per element).
 DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8))
@@ -41,11 +38,6 @@ AUTO_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16))
 
 class KvWriteInputError(SpecjaxError, ValueError):
     """Inputs the kernel cannot take (ranks, shapes or dtypes), with what to change."""
-
-
-def mode() -> str:
-    """The `SPECJAX_CPU_KV_WRITE` policy ('auto' when unset). An unknown value is an error naming the valid ones."""
-    return cpu_build.env_mode(ENV_MODE)
 
 
 def validate_kv_write_inputs(cache, new, lengths) -> None:
@@ -118,41 +110,34 @@ def _kv_write(cache, new, lengths):
 kv_write = jax.jit(_kv_write, donate_argnums=(0,))
 kv_write.__doc__ = """cache [B, H, S, D] with new [B, T, H, D] written at slots lengths[b] + t through the C++ kernel.
 
-Jitted entry point for direct use, the cache donated (written in place); models go through `write`. Slots outside
+Jitted entry point for direct use, the cache donated (written in place); models go through the op table (op `kv_write`). Slots outside
 [0, S) are dropped. Raises KvWriteInputError on bad shapes or dtypes, KernelBuildError without a compiler. CPU
 platform only."""
 
 
-def use_kernel(cache, new, lengths) -> bool:
-    """Whether `write` takes the kernel for these shapes and dtypes here (decided at trace time)."""
-    m = mode()
-    if m == "xla" or jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
-        return False
+def is_supported(cache, new, lengths) -> bool:
+    """Whether the kernel takes these shapes and dtypes (decided at trace time; new already in the cache's dtype)."""
     try:
         validate_kv_write_inputs(cache, new, lengths)
     except KvWriteInputError:
         return False
-    if m == "auto" and np.dtype(cache.dtype) not in AUTO_DTYPES:
-        return False
-    if not cpu_build.available():
-        cpu_build.warn_unavailable("KV-cache write", "XLA's scatter")
-        return False
     return True
 
 
-def write(cache: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
-    """The cache write of decoding and verification: the kernel where `use_kernel` says so, else
-    `kv_write_reference`. new is cast to the cache's dtype first. Not jitted (called inside jitted forwards)."""
-    new = new.astype(cache.dtype)
-    if use_kernel(cache, new, lengths):
-        return _kernel(cache, new, lengths)
-    return kv_write_reference(cache, new, lengths)
+def prefers(cache, new, lengths) -> bool:
+    """The `auto` policy: the 16-bit float caches XLA:CPU rewrites whole on every scatter."""
+    return np.dtype(cache.dtype) in AUTO_DTYPES
+
+
+def kernel_kv_write(cache: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+    """The kernel as the op table calls it inside a traced forward (new in the cache's dtype; no validation)."""
+    return _kernel(cache, new, lengths)
 
 
 available = cpu_build.available
 unavailable_reason = cpu_build.unavailable_reason
 
 __all__ = [
-    "AUTO_DTYPES", "DTYPES", "ENV_MODE", "KernelBuildError", "KvWriteInputError", "available", "kv_write",
-    "kv_write_reference", "mode", "unavailable_reason", "use_kernel", "validate_kv_write_inputs", "write",
+    "AUTO_DTYPES", "DTYPES", "KernelBuildError", "KvWriteInputError", "available", "is_supported", "kernel_kv_write",
+    "kv_write", "kv_write_reference", "prefers", "unavailable_reason", "validate_kv_write_inputs",
 ]

@@ -14,14 +14,12 @@ The four parts, as for every specjax kernel:
 - pure-jnp reference: `small_matmul_reference(x, w)`.
 - input validator: `validate_small_matmul_inputs(x, w)`.
 
-`matmul_t(x, w)` is what the model calls for every projection: at trace time it picks the kernel or XLA's dot
-from the platform, the dtypes and the number of rows, under `SPECJAX_CPU_MATMUL`:
-- `auto` (default): the kernel on the CPU platform for float32 weights with 1-16 rows and bfloat16 weights with
-  at most 64 rows (where it measured faster: reports/decode_cpu/README.md), XLA's dot otherwise; for any number
-  of rows inside `row_invariant()`, where the engines trace their decode and verify steps;
-- `kernel`: the kernel for every product it supports on the CPU platform (tests use this);
-- `xla`: never the kernel.
-The choice is made when a function is traced, so set the variable before the first generation of a process.
+Which implementation a projection runs is the op table's choice (`specjax.backends.ops`, op `matmul`), made
+when a function is traced: this module gives it `is_supported` (the validator) and `prefers`, the `auto` policy:
+the kernel on the CPU platform for float32 weights with 1-16 rows and bfloat16 weights with at most 64 rows (where
+it measured faster: reports/decode_cpu/README.md), XLA's dot otherwise; for any number of rows inside
+`row_invariant()`, where the engines trace their decode and verify steps. `SPECJAX_KERNELS=matmul=kernel` takes
+the kernel for every product it supports, `matmul=xla` never.
 """
 from __future__ import annotations
 
@@ -33,8 +31,6 @@ from specjax.kernels import cpu_build
 from specjax.kernels.cpu_build import KernelBuildError
 from specjax.errors import SpecjaxError
 
-ENV_MODE = "SPECJAX_CPU_MATMUL"
-MODES = cpu_build.MODES
 FFI_TARGET = "specjax_small_matmul"
 # Row limits of the `auto` policy: above 16 rows (float32) and 64 rows (bfloat16) XLA's blocked product wins or the
 # kernel's gain is unmeasured. One-token float32 steps gain too (decode batch 1: 35.2 -> 39.5 tok/s, mean of four
@@ -45,11 +41,6 @@ AUTO_BF16_ROWS = (1, 64)
 
 class SmallMatmulInputError(SpecjaxError, ValueError):
     """Inputs the kernel cannot take (rank, shapes or dtypes), with what to change."""
-
-
-def mode() -> str:
-    """The `SPECJAX_CPU_MATMUL` policy ('auto' when unset). An unknown value is an error naming the valid ones."""
-    return cpu_build.env_mode(ENV_MODE)
 
 
 # ------------------------------------------------------------------------------------------- reference, validator
@@ -119,7 +110,7 @@ def _small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 small_matmul = jax.jit(_small_matmul)
 small_matmul.__doc__ = """x [..., K] . w [N, K]^T -> [..., N] float32 through the C++ kernel (CPU only).
 
-Jitted entry point for direct use; models call `matmul_t`, which picks the kernel or XLA's dot. No donation:
+Jitted entry point for direct use; models go through the op table (op `matmul`). No donation:
 nothing here is a cache. Raises SmallMatmulInputError on bad shapes or dtypes, KernelBuildError without a
 compiler."""
 
@@ -131,44 +122,38 @@ def _rows(x) -> int:
 row_invariant = cpu_build.row_invariant
 
 
-def use_kernel(x, w) -> bool:
-    """Whether `matmul_t` takes the kernel for these shapes and dtypes here (decided at trace time)."""
-    m = mode()
-    if m == "xla" or jax.default_backend() != "cpu":
-        return False
+def is_supported(x, w, **options) -> bool:
+    """Whether the kernel takes these shapes and dtypes (decided at trace time)."""
     try:
         validate_small_matmul_inputs(x, w)
     except SmallMatmulInputError:
         return False
-    if m == "auto" and not cpu_build.in_row_invariant():
-        lo, hi = AUTO_BF16_ROWS if np.dtype(w.dtype) == np.dtype(jnp.bfloat16) else AUTO_F32_ROWS
-        if not lo <= _rows(x) <= hi:
-            return False
-    if not cpu_build.available():
-        cpu_build.warn_unavailable("matmul", "XLA's dot")
-        return False
     return True
 
 
-def matmul_t(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
-    """x [..., K] . w [N, K]^T -> [..., N] in `out_dtype` (default: the dtype XLA's dot would give).
+def prefers(x, w, **options) -> bool:
+    """The `auto` policy: within the row limits, or any number of rows inside `row_invariant()`."""
+    if cpu_build.in_row_invariant():
+        return True
+    lo, hi = AUTO_BF16_ROWS if np.dtype(w.dtype) == np.dtype(jnp.bfloat16) else AUTO_F32_ROWS
+    return lo <= _rows(x) <= hi
 
-    The model's projection: the kernel where `use_kernel` says so, else XLA's dot_general. Not jitted (called
-    inside jitted forwards)."""
+
+def kernel_matmul_t(x: jax.Array, w: jax.Array, *, out_dtype=None, weight_first: bool = False) -> jax.Array:
+    """The kernel as the op table calls it inside a traced forward: x [..., K] . w [N, K]^T -> [..., N] in
+    `out_dtype` (default: the dtype XLA's dot would give). weight_first is XLA's layout hint, nothing to the kernel."""
     if out_dtype is None:
         out_dtype = jnp.result_type(x.dtype, w.dtype)
-    if use_kernel(x, w):
-        lead = x.shape[:-1]
-        y = _kernel_2d(x.reshape(-1, x.shape[-1]).astype(jnp.float32), w)
-        return y.reshape(*lead, w.shape[0]).astype(out_dtype)
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+    lead = x.shape[:-1]
+    y = _kernel_2d(x.reshape(-1, x.shape[-1]).astype(jnp.float32), w)
+    return y.reshape(*lead, w.shape[0]).astype(out_dtype)
 
 
 available = cpu_build.available
 unavailable_reason = cpu_build.unavailable_reason
 
 __all__ = [
-    "AUTO_BF16_ROWS", "AUTO_F32_ROWS", "ENV_MODE", "KernelBuildError", "SmallMatmulInputError", "available",
-    "matmul_t", "mode", "row_invariant", "small_matmul", "small_matmul_reference", "unavailable_reason", "use_kernel",
+    "AUTO_BF16_ROWS", "AUTO_F32_ROWS", "KernelBuildError", "SmallMatmulInputError", "available", "is_supported",
+    "kernel_matmul_t", "prefers", "row_invariant", "small_matmul", "small_matmul_reference", "unavailable_reason",
     "validate_small_matmul_inputs",
 ]

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ConfigError
-from specjax.kernels import cpu_kv_write
+from specjax.backends import ops
 
 KV_DTYPES = (None, "int8")  # kv_dtype values: None = entries in the model's dtype; "int8" = scaled int8 entries
 QMAX = 127  # symmetric int8 range [-127, 127]: -128 unused, so q and -q are both representable
@@ -119,8 +119,9 @@ def write_kv(ck, cv, k_new, v_new, lengths, scales: tuple = ()):
         (k_new, k_s), (v_new, v_s) = quantize(k_new), quantize(v_new)  # [B, T, Hkv, D] int8, [B, T, Hkv]
         # The same advanced indices on a [B, Hkv, S] array index a [B, T, Hkv] view: the scales' own layout.
         scales = tuple(a.at[b, :, s].set(n, mode="drop") for a, n in zip(scales, (k_s, v_s)))
-    # specjax.kernels.cpu_kv_write: in place on CPU where XLA would rewrite the whole layer (16-bit floats).
-    ck, cv = cpu_kv_write.write(ck, k_new, lengths), cpu_kv_write.write(cv, v_new, lengths)
+    # The op kv_write: on CPU the kernel writes in place where XLA would rewrite the whole layer (16-bit floats).
+    ck = ops.call("kv_write", ck, k_new.astype(ck.dtype), lengths)
+    cv = ops.call("kv_write", cv, v_new.astype(cv.dtype), lengths)
     return (ck, cv, scales) if quantized else (ck, cv)
 
 

@@ -49,11 +49,14 @@ def _drop_compiled_programs():
 
 @pytest.fixture
 def kernel_policy(monkeypatch):
-    """set_policy(variable, value) sets a CPU kernel policy (SPECJAX_CPU_MATMUL, SPECJAX_CPU_ATTENTION,
-    SPECJAX_CPU_KV_WRITE) for one test, dropping every traced function before and after: the policies are read when
-    a function is traced."""
-    def set_policy(variable: str, value: str):
-        monkeypatch.setenv(variable, value)
+    """set_policy(op, implementation) adds `op=implementation` to SPECJAX_KERNELS (the kernel table's override,
+    specjax.backends.ops) for one test, dropping every traced function before and after: the table chooses when a
+    function is traced."""
+    chosen: dict[str, str] = {}
+
+    def set_policy(op: str, implementation: str):
+        chosen[op] = implementation
+        monkeypatch.setenv("SPECJAX_KERNELS", ",".join(f"{k}={v}" for k, v in chosen.items()))
         jax.clear_caches()
     yield set_policy
     jax.clear_caches()

@@ -33,7 +33,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.kernels import cpu_attention, cpu_matmul
+from specjax.backends import ops
+from specjax.backends.ops import under_mesh
 from specjax.models import quant
 from specjax.kv_cache import KVCache, as_stored, dequantize, with_layers, write_kv
 
@@ -133,31 +134,13 @@ def fuse_projections(params: dict) -> dict:
     return {**params, "layers": [fuse(lp) for lp in params["layers"]]}
 
 
-def _dot_t(x: jax.Array, w_t: jax.Array) -> jax.Array:
-    """x [..., K] @ w_t.T for w_t [N, K] (a weight stored [out, in]) -> [..., N]. On CPU, few-row products go
-    through specjax.kernels.cpu_matmul (see there for when), except under a mesh. A quantized weight
-    (specjax.models.quant.QuantWeight) goes through quant.linear; float weights never do."""
-    if quant.is_quantized(w_t):
-        return quant.linear(x, w_t, allow_kernel=not under_mesh())
-    if under_mesh():
-        return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())))
-    return cpu_matmul.matmul_t(x, w_t)
-
-
-def under_mesh() -> bool:
-    """Whether the function being traced runs over a device mesh (`jax.set_mesh`, see specjax.mesh). The CPU
-    kernels are custom calls XLA cannot partition: under a mesh it would gather their sharded operands whole, so
-    the XLA paths run there instead."""
-    return not jax.sharding.get_abstract_mesh().empty
-
-
 def shard_hint(x: jax.Array, *axes: str | None) -> jax.Array:
     """x with a sharding constraint naming one mesh axis ('data', 'model') or None per dimension, under a mesh;
     a dimension the axis does not divide stays replicated. x itself outside a mesh. Pins the batch to the data
     axis and the KV heads to the model axis, where propagation alone could pick otherwise."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if not under_mesh():
         return x
+    mesh = jax.sharding.get_abstract_mesh()
     spec = tuple(a if a in mesh.axis_names and mesh.shape[a] > 1 and n % mesh.shape[a] == 0 else None
                  for a, n in zip(axes, x.shape))
     return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*spec))
@@ -305,57 +288,6 @@ def reference_attention(q, k, v, mask, scale):
     return o.reshape(B, T, Hq, D).astype(q.dtype)
 
 
-def prefix_tree_attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, scale, positions=None,
-                          window=None):
-    """Attention of T new tokens over the committed cache and over themselves, before they are written.
-
-    q [B, T, Hq, D]; k_cache/v_cache [B, Hkv, S, D], of which slots s < lengths[b] are visible to every new
-    token; k_new/v_new [B, T, Hkv, D]; tree_mask [B, T, T] bool (which new tokens each new token sees)
-    -> [B, T, Hq, D]. The same result as writing the new K/V at [lengths, lengths + T) and calling
-    `reference_attention` with `dense_mask`, but the cache is only read, as the left operand of both products:
-    XLA:CPU then streams it once instead of materialising a transposed or updated copy of it (the write, after
-    the layer's attention, is an in-place update nothing else reads). One softmax over both parts.
-    window: a sliding window W (with positions [B, T], the new tokens' RoPE positions): a new token at position p
-    sees only keys at positions > p - W, where committed slot s holds position s (prompts are right-padded, so
-    slot and position agree) and new token j position positions[b, j]. None = no window.
-    """
-    B, T, Hq, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    f32 = jnp.float32
-    # Rows n = g * T + t: every query of one KV head, so the cache is contracted once per head.
-    qn = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-    sp = jax.lax.dot_general(k_cache, qn.astype(k_cache.dtype), (((3,), (3,)), ((0, 1), (0, 1))),
-                             preferred_element_type=f32)  # [B, Hkv, S, N]
-    # Scores are small (S x N per head); with S minor the softmax below vectorises over the slots.
-    sp = sp.swapaxes(2, 3) * scale  # [B, Hkv, N, S]
-    # Behind a barrier: a fresh cache's lengths are a constant zero inside a jitted prefill, and XLA would then
-    # constant-fold the masked scores' reductions over [B, Hkv, N, S] at compile time (seconds per bucket).
-    visible = jnp.arange(S)[None, :] < jax.lax.optimization_barrier(lengths)[:, None]  # [B, S]
-    if window is None:
-        sp = jnp.where(visible[:, None, None, :], sp, -jnp.inf)
-    else:
-        low = positions - window  # [B, T]: the newest position each query no longer sees
-        seen = visible[:, None, :] & (jnp.arange(S)[None, None, :] > low[:, :, None])  # [B, T, S]
-        seen = jnp.broadcast_to(seen[:, None], (B, G, T, S)).reshape(B, 1, G * T, S)
-        sp = jnp.where(seen, sp, -jnp.inf)
-        tree_mask = tree_mask & (positions[:, None, :] > low[:, :, None])
-    st = jnp.einsum("bknd,btkd->bknt", qn, k_new, preferred_element_type=f32) * scale  # [B, Hkv, N, T]
-    tm = jnp.broadcast_to(tree_mask[:, None], (B, G, T, T)).reshape(B, 1, G * T, T)
-    st = jnp.where(tm, st, -jnp.inf)
-    m = jnp.maximum(sp.max(axis=3), st.max(axis=3))  # [B, Hkv, N]
-    # A row with no visible key (padding queries) has m = -inf; it gets zero weights and a zero output.
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    ep = jnp.exp(sp - m[..., None])
-    et = jnp.exp(st - m[..., None])
-    den = ep.sum(axis=3) + et.sum(axis=3)  # [B, Hkv, N]
-    o = jax.lax.dot_general(ep.astype(v_cache.dtype), v_cache, (((3,), (2,)), ((0, 1), (0, 1))),
-                            preferred_element_type=f32)  # [B, Hkv, N, D]
-    o = o + jnp.einsum("bknt,btkd->bknd", et.astype(v_new.dtype), v_new, preferred_element_type=f32)
-    o = jnp.where(den[..., None] > 0, o / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-    return o.reshape(B, Hkv, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
-
-
 AttentionFn = Callable[..., jax.Array]  # (q, k, v, lengths, tree_mask, *, scale) -> out, see specjax.kernels
 
 
@@ -386,8 +318,8 @@ def forward(
     XLA path, which applies the window to prefill, decode and tree verification alike); an attention_fn is refused.
     hidden_layers: indices (negative allowed) of layers whose output (residual stream) is returned in `layer_hidden`.
     logit_positions [B, K] int32: compute logits only at these of the T positions (prefill needs one).
-    attention_fn: verify-attention implementation (q, k, v, lengths, tree_mask, scale=) from the backend
-    registry; None = the XLA reference. Not jitted here: callers jit their entry points.
+    attention_fn: a named verify-attention implementation (q, k, v, lengths, tree_mask, scale=) from the backend
+    registry; None = the kernel table's op `attention` (see `attention`). Not jitted here: callers jit their entry points.
     write_cache: False leaves the cache as it is (the default attention path reads only its committed slots and
     takes the new tokens apart) and the caller writes `new_kv` where it wants them; see `spec_engine.spec_step`,
     where writing inside a `lax.cond` branch made XLA copy the whole cache.
@@ -396,84 +328,25 @@ def forward(
     c = config
     if tree_mask is None:
         tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    if mask is not None and attention_fn is not None:
-        raise ValueError("a dense `mask` works only with the reference attention (attention_fn=None)")
-    if not write_cache and (mask is not None or attention_fn is not None):
-        raise ValueError("write_cache=False works only with the default attention (no `mask`, no attention_fn): "
-                         "the others read the new tokens from the cache")
-    if c.sliding_window is not None and attention_fn is not None:
-        raise ValueError(f"this model uses sliding-window attention (sliding_window={c.sliding_window}), which only "
-                         "specjax's built-in XLA attention applies; attention "
-                         f"{getattr(attention_fn, 'name', attention_fn)!r} would attend past the window: use "
-                         "attention_impl='reference' (attention_fn=None)")
+    _check_attention_args(c, mask, attention_fn, write_cache)
     inv_freq = rope_inv_freq(c)
-    scale = 1.0 / math.sqrt(c.head_dim)
-    dtype = params["embed"].dtype
     x = shard_hint(jnp.take(params["embed"], tokens, axis=0), "data", None, None)  # [B, T, H]
-
     wanted = {h % c.num_layers for h in hidden_layers}
-    layers, kept = [], {}
-    block_k, block_v = [], []
+    layers, kept, block_k, block_v = [], {}, [], []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        fused = "wqkv_t" in lp
-        if fused:
-            qkv = _dot_t(h, lp["wqkv_t"])
-            if c.attention_bias:
-                qkv = qkv + lp["bqkv"]
-            nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
-        else:
-            q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-            if c.attention_bias:
-                q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q, k = q.reshape(B, T, c.num_heads, c.head_dim), k.reshape(B, T, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = rms_norm(q, lp["q_norm"], c.rms_norm_eps), rms_norm(k, lp["k_norm"], c.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
+        q, k, v = qkv_projection(lp, c, h)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        layer = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths, cache.scales(i)) if write_cache else (
+            (cache.k[i], cache.v[i]) + ((cache.scales(i),) if cache.quantized else ()))
+        layer = tuple(shard_hint(a, "data", "model", None, None) for a in layer[:2]) + layer[2:]
+        a = attention(q, k, v, layer, cache.lengths, tree_mask, positions, c, mask=mask, attention_fn=attention_fn,
+                      dtype=params["embed"].dtype)
+        x = x + output_projection(lp, a.reshape(B, T, -1))
+        x = x + mlp_block(lp, c, rms_norm(x, lp["mlp_norm"], c.rms_norm_eps))
+        layers.append(layer)
         block_k.append(k)
         block_v.append(v)
-        if write_cache:
-            layer = write_kv(cache.k[i], cache.v[i], k, v, cache.lengths, cache.scales(i))
-        else:
-            layer = (cache.k[i], cache.v[i], cache.scales(i)) if cache.quantized else (cache.k[i], cache.v[i])
-        layer_k, layer_v = (shard_hint(a, "data", "model", None, None) for a in layer[:2])
-        layers.append((layer_k, layer_v) + layer[2:])
-        # An int8 cache is read back in the model's dtype, and the new tokens are attended to as the cache will
-        # hold them (`as_stored`): every attention path below then sees what it sees for a float cache, and a
-        # token sees an earlier one the same whether that one is in the cache or in the same block, so plain
-        # decoding and verification agree.
-        if cache.quantized:
-            k_scale, v_scale = layer[2]
-            layer_k, layer_v = dequantize(layer_k, k_scale, dtype), dequantize(layer_v, v_scale, dtype)
-        k_in, v_in = as_stored(k, cache.quantized), as_stored(v, cache.quantized)
-        if mask is None and attention_fn is None and (under_mesh() or c.sliding_window is not None):
-            # The C++ kernel applies no window: the XLA path does, for every T.
-            a = prefix_tree_attention(q, layer_k, layer_v, k_in, v_in, cache.lengths, tree_mask, scale, positions,
-                                      c.sliding_window)
-        elif mask is None and attention_fn is None:
-            # The C++ kernel on the CPU platform for decode and verify blocks (specjax.kernels.cpu_attention).
-            # It reads only the committed slots below `lengths`, which the write leaves alone; it reads them after
-            # the write because an operation that read the old buffer while the write updated it in place made XLA
-            # copy the cache layer.
-            a = cpu_attention.attention(q, layer_k, layer_v, k_in, v_in, cache.lengths, tree_mask, scale=scale,
-                                        fallback=prefix_tree_attention)
-        else:
-            if attention_fn is None:
-                a = reference_attention(q, layer_k, layer_v, mask, scale)
-            else:
-                # The kernels take the head-major cache as it is (see specjax.backends.registry).
-                a = attention_fn(q, layer_k, layer_v, cache.lengths, tree_mask, scale=scale)
-        x = x + (_dot_t(a.reshape(B, T, -1), lp["wo_t"]) if fused else a.reshape(B, T, -1) @ lp["wo"])
-        h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
-        if fused:
-            gu = _dot_t(h, lp["w_gu_t"])
-            m = jax.nn.silu(gu[..., :c.intermediate_size]) * gu[..., c.intermediate_size:]
-            x = x + _dot_t(m, lp["w_down_t"])
-        else:
-            x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
         if i in wanted:
             kept[i] = x
     layer_hidden = jnp.stack([kept[h % c.num_layers] for h in hidden_layers]) if hidden_layers else None
@@ -485,21 +358,92 @@ def forward(
     return ForwardOutput(logits, x, layer_hidden, with_layers(cache, layers), (tuple(block_k), tuple(block_v)))
 
 
+def _check_attention_args(c: LlamaConfig, mask, attention_fn, write_cache: bool) -> None:
+    if mask is not None and attention_fn is not None:
+        raise ValueError("a dense `mask` works only with the reference attention (attention_fn=None)")
+    if not write_cache and (mask is not None or attention_fn is not None):
+        raise ValueError("write_cache=False works only with the default attention (no `mask`, no attention_fn): "
+                         "the others read the new tokens from the cache")
+    if c.sliding_window is not None and attention_fn is not None:
+        raise ValueError(f"this model uses sliding-window attention (sliding_window={c.sliding_window}), which only "
+                         "specjax's built-in XLA attention applies; attention "
+                         f"{getattr(attention_fn, 'name', attention_fn)!r} would attend past the window: use "
+                         "attention_impl='reference' (attention_fn=None)")
+
+
+def qkv_projection(lp: dict, c: LlamaConfig, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [B, T, H] -> q [B, T, Hq, D], k and v [B, T, Hkv, D] (biases and Qwen3's q/k norms applied, no RoPE)."""
+    B, T = h.shape[:2]
+    if "wqkv_t" in lp:
+        qkv = quant.linear(h, lp["wqkv_t"])
+        if c.attention_bias:
+            qkv = qkv + lp["bqkv"]
+        nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+    else:
+        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+        if c.attention_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q, k = q.reshape(B, T, c.num_heads, c.head_dim), k.reshape(B, T, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q, k = rms_norm(q, lp["q_norm"], c.rms_norm_eps), rms_norm(k, lp["k_norm"], c.rms_norm_eps)
+    return q, k, v.reshape(B, T, c.num_kv_heads, c.head_dim)
+
+
+def attention(q, k, v, layer: tuple, lengths, tree_mask, positions, c: LlamaConfig, *, mask=None,
+              attention_fn=None, dtype=None) -> jax.Array:
+    """One layer's attention of the T new tokens (q [B, T, Hq, D], k/v [B, T, Hkv, D] after RoPE) over the
+    layer's cache entries `layer` ((k, v) or an int8 cache's (k, v, (k_scale, v_scale)), as `write_kv` returns
+    them) -> [B, T, Hq, D].
+
+    The one place the attention path is chosen: a dense `mask` runs `reference_attention` over the written cache,
+    an `attention_fn` (a named `tree_attention` from the backend registry) reads the written cache as it is, and
+    otherwise the kernel table's op `attention` takes the new tokens apart from the committed slots (the C++ kernel
+    on cpu for decode and verify blocks; XLA's `prefix_tree_attention` under a mesh, for a sliding window and for
+    prefill). Those read only the committed slots below `lengths`, which the write leaves alone; they read them
+    after the write because an operation that read the old buffer while the write updated it in place made XLA
+    copy the cache layer.
+    An int8 cache is read back in the model's dtype `dtype`, and the new tokens are attended to as the cache will
+    hold them (`as_stored`): every path then sees what it sees for a float cache, and a token sees an earlier one
+    the same whether that one is in the cache or in the same block, so plain decoding and verification agree."""
+    cache_k, cache_v = layer[:2]
+    quantized = len(layer) > 2
+    if quantized:
+        k_scale, v_scale = layer[2]
+        cache_k, cache_v = dequantize(cache_k, k_scale, dtype), dequantize(cache_v, v_scale, dtype)
+    scale = 1.0 / math.sqrt(c.head_dim)
+    if mask is not None:
+        return reference_attention(q, cache_k, cache_v, mask, scale)
+    if attention_fn is not None:
+        # The kernels take the head-major cache as it is (see specjax.backends.registry).
+        return attention_fn(q, cache_k, cache_v, lengths, tree_mask, scale=scale)
+    k_in, v_in = as_stored(k, quantized), as_stored(v, quantized)
+    return ops.call("attention", q, cache_k, cache_v, k_in, v_in, lengths, tree_mask, scale=scale,
+                    positions=positions, window=c.sliding_window)
+
+
+def output_projection(lp: dict, a: jax.Array) -> jax.Array:
+    """The attention output [B, T, Hq*D] -> [B, T, H]."""
+    return quant.linear(a, lp["wo_t"]) if "wo_t" in lp else a @ lp["wo"]
+
+
+def mlp_block(lp: dict, c: LlamaConfig, h: jax.Array) -> jax.Array:
+    """SwiGLU: h [B, T, H] (normed) -> [B, T, H]."""
+    if "w_gu_t" in lp:
+        gu = quant.linear(h, lp["w_gu_t"])
+        m = jax.nn.silu(gu[..., :c.intermediate_size]) * gu[..., c.intermediate_size:]
+        return quant.linear(m, lp["w_down_t"])
+    return (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+
+
 def lm_head(params: dict, x: jax.Array) -> jax.Array:
     """x [..., H] -> logits [..., V] float32 (tied embeddings when there is no `lm_head`)."""
     if "lm_head_q" in params:  # a quantized LM head [V, H] (specjax.models.quant.quantize_params(lm_head=True))
-        return quant.linear(x, params["lm_head_q"], out_dtype=jnp.float32, allow_kernel=not under_mesh())
+        return quant.linear(x, params["lm_head_q"], out_dtype=jnp.float32)
     if "lm_head" in params:
         return einsum_f32("...h,hv->...v", x, params["lm_head"])
-    # The embedding [V, H] goes first in the product, giving [V, N] and a transpose: XLA:CPU then runs one
-    # weight-streaming kernel, where x @ embed.T took a small-M matrix-product path that cost about twice as
-    # much for the 5-13 token verify blocks (SmolLM2's 28M-parameter head: 26 -> 12 ms at 8 tokens).
-    if cpu_matmul.use_kernel(x, params["embed"]) and not under_mesh():
-        return cpu_matmul.matmul_t(x, params["embed"], out_dtype=jnp.float32)
-    lead = x.shape[:-1]
-    out = jax.lax.dot_general(params["embed"], x.reshape(-1, x.shape[-1]), (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)  # [V, N]
-    return out.T.reshape(*lead, out.shape[0])
+    # The embedding [V, H] goes first in XLA's product (weight_first; see specjax.kernels.xla.matmul_t).
+    return ops.call("matmul", x, params["embed"], out_dtype=jnp.float32, weight_first=True)
 
 
 def cast_params(params: dict, dtype) -> dict:

@@ -13,15 +13,13 @@ params tree holding them jits like any other and a change of format is a change 
 4-bit codes are packed in GGUF's order inside every 32 values (byte j of a block: value j in the low nibble,
 value j + 16 in the high one), so specjax's int4 and GGUF's Q4_0 / Q4_1 share one unpacking and one CPU kernel.
 
-Where the product runs (`linear`), decided at trace time:
-- float weights: exactly the old path (`specjax.kernels.cpu_matmul.matmul_t`), bit for bit;
-- quantized weights on the CPU platform with the C++ kernels built (`kernels/cpu/quant_matmul.cc`): the codes are
-  widened in registers and multiplied in the float32 kernel's order, for any number of rows. One summation order
-  for plain steps and verify blocks is what keeps greedy speculation exact for a quantized target;
-- elsewhere (GPU, TPU, no compiler, `SPECJAX_QUANT_MATMUL=xla`): int8 as `(x @ codes^T) * scale` in x's dtype, the
-  other kinds dequantized inside the jitted forward and multiplied by XLA's dot. On XLA:CPU that path converts the
-  whole weight on every call (about 10x slower than float32), which is why the CPU has its own kernel.
-`SPECJAX_QUANT_MATMUL` = auto (default: the kernel on CPU) | kernel | xla, as for the other CPU kernels.
+Where the product runs (`linear`) is the kernel table's choice (`specjax.backends.ops`), made at trace time:
+float weights go through the op `matmul`, quantized ones through the op `quant_matmul`, whose implementations
+live in `specjax.kernels.cpu_quant_matmul`: on the CPU platform with the C++ kernels built, the codes are widened
+in registers and multiplied in the float32 kernel's order for any number of rows (one summation order for plain
+steps and verify blocks is what keeps greedy speculation exact for a quantized target); elsewhere (GPU, TPU, no
+compiler, under a mesh, `SPECJAX_KERNELS=quant_matmul=xla`) XLA: int8 as `(x @ codes^T) * scale` in x's dtype,
+the other kinds dequantized inside the jitted forward and multiplied by XLA's dot.
 
 W8A8 ("w8a8", lossy and labelled so): the int8 weights above, and every activation row quantized to int8 with its
 own scale just before the product, which then runs as an int8 x int8 dot with int32 accumulation through Qwix
@@ -41,16 +39,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.backends import ops
 from specjax.errors import SpecjaxError
-from specjax.kernels import cpu_build, cpu_matmul
+from specjax.kernels import cpu_quant_matmul
 
 QUANTIZATIONS = ("int8", "int4", "gguf", "w8a8")  # what LLM(quantization=...) accepts besides None
 KINDS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "w8a8")
 GGUF_NATIVE = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF types kept as stored by quantization="gguf"
 DEFAULT_GROUP_SIZE = 32  # GGUF Q4 block size: a Q4 file requantized at 32 lands on its own grid
-BLOCK = 32  # GGUF block length, and the granularity of 4-bit packing and of the CPU kernel
-ENV_MODE = "SPECJAX_QUANT_MATMUL"
-FFI_TARGET = "specjax_quant_matmul"
+BLOCK = cpu_quant_matmul.BLOCK  # GGUF block length, the granularity of 4-bit packing and of the CPU kernel
 
 
 class QuantizationError(SpecjaxError, ValueError):
@@ -78,7 +75,7 @@ class QuantWeight:
 
     @property
     def bits(self) -> int:
-        return 8 if self.kind in ("int8", "q8_0", "w8a8") else 4
+        return cpu_quant_matmul.BITS[self.kind]
 
     @property
     def nbytes(self) -> int:
@@ -113,11 +110,6 @@ def check_lm_head(quantization: str | None, quantize_lm_head: bool | None) -> No
                                 f"None: pick one of {', '.join(QUANTIZATIONS)}, or drop quantize_lm_head")
 
 
-def mode() -> str:
-    """The `SPECJAX_QUANT_MATMUL` policy ('auto' when unset)."""
-    return cpu_build.env_mode(ENV_MODE)
-
-
 # ------------------------------------------------------------------------------------------------ quantizers
 
 
@@ -129,18 +121,11 @@ def _as_2d(w, name: str) -> np.ndarray:
 
 
 def pack_nibbles(nibbles: np.ndarray) -> np.ndarray:
-    """uint8 values in [0, 16) [N, K] (K a multiple of 32) -> uint8 [N, K/2] in GGUF's order per 32-block."""
+    """uint8 values in [0, 16) [N, K] (K a multiple of 32) -> uint8 [N, K/2] in GGUF's order per 32-block (the
+    inverse of `specjax.kernels.cpu_quant_matmul.unpack_nibbles`)."""
     n, k = nibbles.shape
     b = nibbles.reshape(n, k // BLOCK, 2, BLOCK // 2).astype(np.uint8)
     return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2)
-
-
-def unpack_nibbles(packed: jax.Array) -> jax.Array:
-    """uint8 [..., N, K/2] -> the nibbles [..., N, K] as uint8 (inverse of `pack_nibbles`; works in jnp and jit)."""
-    *lead, n, h = packed.shape
-    b = packed.reshape(*lead, n, h // (BLOCK // 2), 1, BLOCK // 2)
-    both = jnp.concatenate([b & 15, b >> 4], axis=-2)  # [..., N, K/32, 2, 16]
-    return both.reshape(*lead, n, 2 * h)
 
 
 def quantize_int8(w, name: str = "weight") -> QuantWeight:
@@ -250,74 +235,23 @@ def concat_rows(ws: list[QuantWeight]) -> QuantWeight:
 
 def dequantize(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
     """The float weight [N, K] a QuantWeight stands for, computed in float32 and cast to `dtype` (jnp; jittable)."""
-    n, k = w.shape
-    f32 = jnp.float32
-    if w.bits == 8:
-        c = w.codes.astype(f32)
-    else:
-        c = unpack_nibbles(w.codes).astype(f32)
-        if w.minimum is None:
-            c = c - 8.0
-    c = c.reshape(n, k // w.group, w.group)
-    v = c * w.scale.astype(f32)[..., None]
-    if w.minimum is not None:
-        v = v + w.minimum.astype(f32)[..., None]
-    return v.reshape(n, k).astype(dtype)
+    return cpu_quant_matmul.dequantize(w.codes, w.scale, w.minimum, kind=w.kind, group=w.group, dtype=dtype)
 
 
 # --------------------------------------------------------------------------------------------- the product
 
 
-def _ffi(x2: jax.Array, w: QuantWeight) -> jax.Array:
-    out = jax.ShapeDtypeStruct((x2.shape[0], w.shape[0]), jnp.float32)
-    minimum = w.minimum if w.minimum is not None else jnp.zeros((1,), w.scale.dtype)
-    return jax.ffi.ffi_call(FFI_TARGET, out, vmap_method="sequential")(
-        x2, w.codes, w.scale, minimum, bits=np.int64(w.bits), group=np.int64(w.group),
-        has_min=w.minimum is not None)
-
-
-def use_kernel(x, w: QuantWeight) -> bool:
-    """Whether `linear` takes the C++ kernel for this product here (decided at trace time)."""
-    if mode() == "xla" or jax.default_backend() != "cpu":
-        return False
-    if w.group % BLOCK or w.shape[1] % w.group or x.shape[-1] != w.shape[1]:
-        return False
-    if not cpu_build.available():
-        cpu_build.warn_unavailable("quantized matmul", "XLA's dot on dequantized weights")
-        return False
-    return True
-
-
-def quant_matmul(x: jax.Array, w: QuantWeight) -> jax.Array:
-    """x [..., K] . dequantize(w)^T -> [..., N] float32 through the C++ kernel (CPU platform only; not jitted)."""
-    if x.shape[-1] != w.shape[1]:
-        raise QuantizationError(f"x [..., K={x.shape[-1]}] and the weight [N, K={w.shape[1]}] disagree on K")
-    if not cpu_build.available():
-        raise cpu_build.KernelBuildError(f"the CPU kernels are unavailable: {cpu_build.unavailable_reason()}")
-    lead = x.shape[:-1]
-    y = _ffi(x.reshape(-1, x.shape[-1]).astype(jnp.float32), w)
-    return y.reshape(*lead, w.shape[0])
-
-
-def linear(x: jax.Array, w, *, out_dtype=None, allow_kernel: bool = True) -> jax.Array:
+def linear(x: jax.Array, w, *, out_dtype=None) -> jax.Array:
     """x [..., K] times a weight stored [out, in] ([N, K]) -> [..., N]: the model's one projection.
 
-    Float weights take `cpu_matmul.matmul_t` unchanged (out_dtype default: the dtype XLA's dot gives). A
-    QuantWeight gives x's dtype by default, through the CPU kernel or XLA (see the module docstring);
-    allow_kernel=False forces XLA (under a device mesh, which cannot partition a custom call)."""
+    Float weights: the op `matmul` (out_dtype default: the dtype XLA's dot gives). A QuantWeight gives x's dtype
+    by default: W8A8 through Qwix, the other kinds through the op `quant_matmul` (see the module docstring)."""
     if not isinstance(w, QuantWeight):
-        return cpu_matmul.matmul_t(x, w, out_dtype=out_dtype)
+        return ops.call("matmul", x, w, out_dtype=out_dtype)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if w.kind == "w8a8":
         return w8a8_matmul(x, w).astype(out_dtype)
-    if allow_kernel and use_kernel(x, w):
-        return quant_matmul(x, w).astype(out_dtype)
-    dims = (((x.ndim - 1,), (1,)), ((), ()))
-    if w.kind == "int8":
-        # One scale per output: applied after the product, so the weight is only widened, never multiplied.
-        y = jax.lax.dot_general(x, w.codes.astype(x.dtype), dims, preferred_element_type=jnp.float32)
-        return (y * w.scale[:, 0]).astype(out_dtype)
-    return jax.lax.dot_general(x, dequantize(w, x.dtype), dims, preferred_element_type=out_dtype)
+    return ops.call("quant_matmul", x, w.codes, w.scale, w.minimum, kind=w.kind, group=w.group, out_dtype=out_dtype)
 
 
 # --------------------------------------------------------------------------------------------- params trees
@@ -366,8 +300,8 @@ def step_weight_bytes(params) -> int:
 
 
 __all__ = [
-    "BLOCK", "DEFAULT_GROUP_SIZE", "ENV_MODE", "GGUF_NATIVE", "KINDS", "QUANTIZATIONS", "QUANTIZED_KEYS",
+    "BLOCK", "DEFAULT_GROUP_SIZE", "GGUF_NATIVE", "KINDS", "QUANTIZATIONS", "QUANTIZED_KEYS",
     "QuantWeight", "QuantizationError", "check_lm_head", "check_quantization", "concat_rows", "dequantize", "from_gguf_blocks",
-    "is_quantized", "linear", "mode", "pack_nibbles", "quant_matmul", "quantize_int4", "quantize_int8",
-    "quantize_params", "quantize_w8a8", "step_weight_bytes", "take_rows", "unpack_nibbles", "use_kernel", "w8a8_matmul", "weight_bytes",
+    "is_quantized", "linear", "pack_nibbles", "quantize_int4", "quantize_int8",
+    "quantize_params", "quantize_w8a8", "step_weight_bytes", "take_rows", "w8a8_matmul", "weight_bytes",
 ]

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.kernels import cpu_build
+from specjax.backends import ops
+from specjax.kernels import cpu_build, cpu_quant_matmul
 from specjax.models import quant
 from specjax.models.llama import forward, fuse_projections
 from specjax.kv_cache import init_cache
@@ -52,7 +53,7 @@ def test_nibble_packing_round_trip():
     packed = quant.pack_nibbles(nib)
     assert packed.shape == (5, 32)
     assert packed[0, 0] == nib[0, 0] | (nib[0, 16] << 4)  # GGUF order: value j and j + 16 share byte j
-    np.testing.assert_array_equal(np.asarray(quant.unpack_nibbles(jnp.asarray(packed))), nib)
+    np.testing.assert_array_equal(np.asarray(cpu_quant_matmul.unpack_nibbles(jnp.asarray(packed))), nib)
 
 
 @pytest.mark.parametrize("group, match", [(48, "multiple of 32"), (96, "does not divide the input dimension 128"),
@@ -177,23 +178,46 @@ def test_kernel_matches_dequantized_product_and_is_row_invariant(kind):
     w = _all_kinds()[kind]
     x = jnp.asarray(np.random.default_rng(7).standard_normal((13, 192)), jnp.float32)
     ref = np.asarray(x, np.float64) @ np.asarray(quant.dequantize(w), np.float64).T
-    y = jax.jit(quant.quant_matmul)(x, w)
+    kernel = lambda a: cpu_quant_matmul.quant_matmul(a, w.codes, w.scale, w.minimum, kind=w.kind,  # noqa: E731
+                                                     group=w.group)
+    y = kernel(x)
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
     # One summation order whatever the number of rows: what keeps a verify block equal to plain steps.
-    rows = jnp.concatenate([jax.jit(quant.quant_matmul)(x[i:i + 1], w) for i in range(13)])
+    rows = jnp.concatenate([kernel(x[i:i + 1]) for i in range(13)])
     np.testing.assert_array_equal(np.asarray(rows), np.asarray(y))
     # The XLA path computes the same function (other summation order).
-    xla = jax.jit(lambda a, b: quant.linear(a, b, allow_kernel=False))(x, w)
+    xla = jax.jit(lambda a, b: _xla_linear(a, b))(x, w)
     np.testing.assert_allclose(np.asarray(xla), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_float_weights_keep_the_old_path():
+def _xla_linear(x, w: quant.QuantWeight):
+    return cpu_quant_matmul.xla_quant_matmul(x, w.codes, w.scale, w.minimum, kind=w.kind, group=w.group)
+
+
+@needs_kernel
+def test_linear_runs_the_table_choice():
+    """Float weights take the op matmul, quantized ones the op quant_matmul: on CPU with the kernels built, the C++
+    kernels (bit for bit), and XLA's product when SPECJAX_KERNELS says so."""
     from specjax.kernels import cpu_matmul
 
     w = jnp.asarray(_weights(16, 64))
     x = jnp.asarray(np.random.default_rng(8).standard_normal((3, 64)), jnp.float32)
+    assert ops.select("matmul", x, w).name == "kernel"
     np.testing.assert_array_equal(np.asarray(jax.jit(quant.linear)(x, w)),
-                                  np.asarray(jax.jit(cpu_matmul.matmul_t)(x, w)))
+                                  np.asarray(jax.jit(cpu_matmul.kernel_matmul_t)(x, w)))
+    q = _all_kinds()["q4_1"]
+    xq = jnp.asarray(np.random.default_rng(8).standard_normal((3, 192)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(quant.linear)(xq, q)),
+                                  np.asarray(cpu_quant_matmul.quant_matmul(xq, q.codes, q.scale, q.minimum,
+                                                                           kind=q.kind, group=q.group)))
+
+
+def test_linear_under_an_xla_override(kernel_policy):
+    kernel_policy("quant_matmul", "xla")
+    q = _all_kinds()["int8"]
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((3, 192)), jnp.float32)
+    assert ops.select("quant_matmul", x, q.codes, q.scale, q.minimum, kind=q.kind, group=q.group).name == "xla"
+    np.testing.assert_array_equal(np.asarray(jax.jit(quant.linear)(x, q)), np.asarray(jax.jit(_xla_linear)(x, q)))
 
 
 def _w8a8_reference(x: np.ndarray, w: quant.QuantWeight) -> np.ndarray:
@@ -216,7 +240,7 @@ def test_w8a8_is_an_integer_product_of_per_row_int8_activations():
     rows = np.concatenate([np.asarray(jax.jit(quant.linear)(jnp.asarray(x[i:i + 1]), w)) for i in range(13)])
     np.testing.assert_array_equal(rows, y)
     # Lossy against the weight-only int8 product of the same codes (activations rounded), within int8's error.
-    weight_only = np.asarray(quant.linear(jnp.asarray(x), quant.quantize_int8(_weights(48, 192)), allow_kernel=False))
+    weight_only = np.asarray(_xla_linear(jnp.asarray(x), quant.quantize_int8(_weights(48, 192))))
     err = np.abs(y - weight_only).max() / np.abs(weight_only).max()
     assert 0 < err < 0.02
 
