@@ -63,6 +63,8 @@ _TOKEN_TYPE_USER_DEFINED = 4
 # Chat end-of-turn markers of the common templates (ChatML, Llama-3, Gemma). Generation must stop on
 # them as well as on eos, since instruct models end a reply with the marker, not always with eos.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+# End-of-document markers; from a GGUF they stop generation where the file names them as bos or padding.
+_END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
 
 # Split patterns, as written in the tokenizer.json of the model families that use them.
 _LLAMA3_SPLIT = (
@@ -312,6 +314,13 @@ class Tokenizer:
                 special_tokens=sorted({(tokens[i], i) for i in ([bos] if prefix else []) + ([eos] if suffix else [])}),
             )
         extra_stops = [token_id("tokenizer.ggml.eot_token_id"), token_id("tokenizer.ggml.eom_token_id")]
+        # A GGUF carries no generation_config.json, the file whose eos list holds the end-of-text token beside the
+        # end-of-turn eos (Qwen2 / Qwen2.5 instruct: eos <|im_end|>, generation_config [<|im_end|>, <|endoftext|>]).
+        # Such files name their end-of-text token as bos or padding; that token stops generation too. (SmolLM2
+        # names <|endoftext|> only as unk, and Hugging Face does not stop on it there.)
+        end_of_text = [i for i in (bos, token_id("tokenizer.ggml.padding_token_id"))
+                       if i is not None and tokens[i] in _END_OF_TEXT_TOKENS]
+        extra_stops += end_of_text
         template = _gguf_value(reader, "tokenizer.chat_template")
         if template is not None:
             _typed(name, "tokenizer.chat_template", template, str, "a string")
