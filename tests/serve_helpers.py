@@ -36,11 +36,11 @@ class CharTokenizer:
         return "".join(f"<{m['role'][0]}>{m['content']}" for m in messages) + "<a>"
 
 
-def tiny_llm(seed: int = 0, tokenizer=None, max_context: int = 512) -> LLM:
-    """A tiny random Llama (2 layers, hidden 32, vocabulary 264) behind the LLM interface, no files; `tokenizer`
-    defaults to `CharTokenizer`. Weights at scale 0.3 give peaked, prompt-dependent next-token distributions, so a
-    wrong cache row or position changes the greedy tokens."""
-    cfg = LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+def tiny_llm(seed: int = 0, tokenizer=None, max_context: int = 512, vocab_size: int = 264) -> LLM:
+    """A tiny random Llama (2 layers, hidden 32, vocabulary 264, or `vocab_size` to sit behind a real tokenizer)
+    behind the LLM interface, no files; `tokenizer` defaults to `CharTokenizer`. Weights at scale 0.3 give peaked,
+    prompt-dependent next-token distributions, so a wrong cache row or position changes the greedy tokens."""
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, max_position_embeddings=512)
     llm = LLM.__new__(LLM)
     llm.model_spec, llm.dtype, llm.config, llm.source = "tiny", "float32", cfg, None

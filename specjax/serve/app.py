@@ -69,11 +69,10 @@ def create_app(engine: ServingEngine, model_name: str, *, api_key: str | None = 
     limits = ServerLimits() if limits is None else limits
     preparer = Preparer(engine, limits)
     created = int(time.time())
-    app = FastAPI(title="specjax", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-                  max_body_size=limits.max_body_bytes)
+    app = FastAPI(title="specjax", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.engine, app.state.metrics, app.state.preparer = engine, metrics, preparer
     # Outermost of the app's own middleware: a request without the key is answered before its body is read.
-    app.add_middleware(Guard, api_key=api_key, refused=metrics.failed)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, refused=metrics.failed)
 
     def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
         return JSONResponse(error_body(public_message(message), kind, status, param), status_code=status)

@@ -1,10 +1,10 @@
 """What `specjax serve` checks before it reads a request's body: the API key, then the body's size.
 
 `Guard` (plain ASGI middleware) answers 401 from the headers alone, so an unauthenticated request never has its
-body read or parsed. The size limit is FastAPI's own (`FastAPI(max_body_size=...)`, Starlette's
-RequestBodyLimitMiddleware): 413 from the Content-Length header before any byte of the body is read, or, for a
+body read or parsed; then 413 from the Content-Length header before any byte of the body is read, or, for a
 body sent in chunks, as soon as the bytes read pass the limit. uvicorn discards the rest of a refused body as it
-arrives, without keeping it, so the client still reads the 413.
+arrives, without keeping it, so the client still reads the 413. (FastAPI's own max_body_size answers a
+declared-too-large body in plain text whatever the app's handlers say, so it is not used.)
 
 `ServerLimits` holds the HTTP-side limits (the engine's own are `runners.serving.EngineOptions`); the server's
 CLI sets them (`specjax serve --max-body-bytes ...`).
@@ -15,6 +15,8 @@ import hmac
 import json
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from starlette.exceptions import HTTPException
 
 from specjax.requests import RequestError
 from specjax.serve.protocol import error_body
@@ -56,20 +58,46 @@ def too_large_message(limit: int) -> str:
             "shorter prompt")
 
 
-class Guard:
-    """ASGI middleware: the API key on every path but /health, from the headers alone (the body is not read).
-    `refused('unauthorized')` is called for each request it turns away."""
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` when a body sent in chunks passes the limit; FastAPI's body reader lets an
+    HTTPException through, and the app's handler answers it (a JSON 413)."""
 
-    def __init__(self, app, *, api_key: str | None, refused: Callable[[str], None]):
-        self.app, self.api_key, self.refused = app, api_key, refused
+    def __init__(self):
+        super().__init__(413, "request body too large")
+
+
+class Guard:
+    """ASGI middleware: the API key on every path but /health, then the body-size limit, both before the body is
+    read. `refused(reason)` is called for each request it answers itself ('unauthorized', 'too_large',
+    'bad_request'); a chunked body past the limit raises `BodyTooLarge` from `receive` instead."""
+
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, refused: Callable[[str], None]):
+        self.app, self.api_key, self.limit, self.refused = app, api_key, max_body_bytes, refused
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or self.api_key is None or scope.get("path") in OPEN_PATHS \
-                or self._authorized(dict(scope.get("headers") or ())):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        self.refused("unauthorized")
-        await _json(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                    "authentication_error")
+        headers = dict(scope.get("headers") or ())
+        if self.api_key is not None and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
+            self.refused("unauthorized")
+            return await _json(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                               "authentication_error")
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            self.refused("too_large")
+            return await _json(send, 413, too_large_message(self.limit), "invalid_request_error")
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge()
+            return message
+
+        return await self.app(scope, counted, send)
 
     def _authorized(self, headers: dict) -> bool:
         given = headers.get(b"authorization", b"").decode("latin-1")

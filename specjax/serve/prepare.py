@@ -131,7 +131,10 @@ class Preparer:
             total = sum(len(s) for s, _ in strings)
             self._check_size(total, "messages")
             for text, where in strings:
-                check_text(text, where)
+                try:
+                    check_text(text, where)
+                except RequestError as e:
+                    raise _FieldError(str(e), where) from None
             for i, m in enumerate(messages):
                 self._check_role(m["role"], i)
             for text, where in strings:
