@@ -58,12 +58,13 @@ def weight_bytes(params) -> int:
 
 def bench_specjax(llm, batch: int, new_tokens: int, reps: int = 2) -> dict:
     from specjax import engine
-    from specjax.api import pad_prompts
+    from specjax.buckets import make_buckets
+    from specjax.requests import pad_prompts
     from specjax.config import SamplingParams
 
     prompts = [llm.encode_prompt(p, chat=True) for p in (PROMPTS * 4)[:batch]]
     sp = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)] * batch
-    b = engine.make_buckets(batch, max(map(len, prompts)), new_tokens)
+    b = make_buckets(batch, max(map(len, prompts)), new_tokens)
     toks, lens, active = pad_prompts(prompts, b.batch, b.prompt_len)
     sampling = llm.sampling_arrays(sp, b.batch, b.num_stop)
     best = float("inf")

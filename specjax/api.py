@@ -26,9 +26,7 @@ from specjax.config import ConfigError, SamplingParams, SpeculativeConfig
 from specjax.kv_cache import check_kv_dtype, init_cache
 from specjax.models.loading import DEFAULT_MODEL, load_model
 from specjax.models.llama import LlamaConfig, forward, fuse_projections
-# Re-exported: `from specjax.api import RequestOutput, pad_prompts, ...` keeps working.
-from specjax.requests import (FINISH_NAMES, CompletionOutput, Logprob, PromptLike, RequestError,  # noqa: F401
-                              RequestMetrics, RequestOutput, pad_prompts)
+from specjax.requests import CompletionOutput, Logprob, PromptLike, RequestError, RequestOutput
 from specjax.runners.runtime import SpecRuntime
 from specjax.sampling import SamplingArrays, token_logprobs
 

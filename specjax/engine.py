@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.buckets import PREFILL_CHUNK, Buckets, make_buckets  # noqa: F401  (re-exported: engine.Buckets)
+from specjax.buckets import Buckets
 from specjax.kernels import cpu_matmul
 from specjax.kv_cache import KVCache, init_cache, map_entries
 from specjax.models.llama import LlamaConfig, forward

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import acceptance
-from specjax.backoff import Adaptive, backoff_decide, backoff_update  # noqa: F401  (spec_engine.Adaptive stays)
+from specjax.backoff import Adaptive, backoff_decide, backoff_update
 from specjax.drafters.base import DraftContext, Proposal
 from specjax.engine import (FINISH_RUNNING, Buckets, DecodeState, decode_step_deferred, emit, fail_rows,
                             feature_layers, prefill_core, target_features, until_free)

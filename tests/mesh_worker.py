@@ -151,7 +151,7 @@ def hlo(meshes) -> dict:
     import jax.numpy as jnp
     from spec_helpers import make_sampling, spec_start, tiny_buckets, tiny_config, tiny_params
     from specjax import engine, mesh as M, spec_engine
-    from specjax.api import pad_prompts
+    from specjax.requests import pad_prompts
     from specjax.drafters.draft_model import DraftModelDrafter
     from specjax.models.llama import forward, fuse_projections
     from specjax.sampling import greedy_tokens

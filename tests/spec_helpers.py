@@ -20,8 +20,10 @@ import numpy as np
 from jax.scipy.special import gammaincc
 
 from specjax import engine, spec_engine
-from specjax.api import LLM, pad_prompts
-from specjax.runners.runtime import SpecRuntime
+from specjax.api import LLM
+from specjax.buckets import Buckets
+from specjax.requests import pad_prompts
+from specjax.runners.runtime import SUFFIX_GLOBAL_SEQS, SpecRuntime
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward, param_shapes
 from specjax.sampling import SamplingArrays
@@ -143,8 +145,8 @@ def make_sampling(batch: int, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, ma
     )
 
 
-def tiny_buckets(batch: int, prompt_len: int = 16, max_new: int = 16, extra: int = 16) -> engine.Buckets:
-    return engine.Buckets(batch, prompt_len, max_new, prompt_len + max_new + extra)
+def tiny_buckets(batch: int, prompt_len: int = 16, max_new: int = 16, extra: int = 16) -> Buckets:
+    return Buckets(batch, prompt_len, max_new, prompt_len + max_new + extra)
 
 
 def outputs(dec: engine.DecodeState, n: int | None = None) -> tuple[list[list[int]], np.ndarray]:
@@ -186,14 +188,14 @@ def run_suffix(params, config, drafter, buckets, ids: list[list[int]], sampling,
     """Suffix decoding (host-side drafter) through `runners.speculative.host_loop`, as `LLM.generate` runs it.
 
     global_index: a SuffixIndex kept across calls (earlier outputs), or None for a fresh one.
-    adaptive: the host loop's back-off rule (`spec_engine.Adaptive`), None = always speculate.
+    adaptive: the host loop's back-off rule (`backoff.Adaptive`), None = always speculate.
     Returns (final SpecState, global index)."""
     from specjax.runners import speculative
     from specjax.drafters.suffix import SuffixHostState
     from specjax.drafters.suffix_tree import SuffixIndex
 
     if global_index is None:
-        global_index = SuffixIndex(drafter.max_depth, max_sequences=speculative.SUFFIX_GLOBAL_SEQS)
+        global_index = SuffixIndex(drafter.max_depth, max_sequences=SUFFIX_GLOBAL_SEQS)
     state = spec_start(params, config, {}, drafter, buckets, ids, sampling, width)
     host = SuffixHostState(drafter, global_index, ids)
     stand_in = types.SimpleNamespace(params=params, config=config, attention_fn=None, runtime=SpecRuntime())

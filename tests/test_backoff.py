@@ -17,6 +17,7 @@ import pytest
 
 from spec_helpers import tiny_config, tiny_llm, tiny_params
 from specjax import spec_engine
+from specjax.backoff import Adaptive, backoff_decide, backoff_update
 from specjax import backoff
 from specjax.runners import speculative
 from specjax.config import SamplingParams, SpeculativeConfig
@@ -183,19 +184,19 @@ def test_probe_gap_doubles_after_failed_probes_and_resets_on_success():
     """One row, break-even 1.0: it backs off, probes after 4 idle steps, then 8, 16, 16 (the cap) while its
     probes fail; a successful probe brings it back to speculating with the gap reset. Device and host share
     these two functions."""
-    rule = spec_engine.Adaptive(min_gain=1.0, probe_every=4, max_gap_factor=4)
+    rule = Adaptive(min_gain=1.0, probe_every=4, max_gap_factor=4)
     floor = 1.0
     gain, idle, gap = np.array([np.inf]), np.array([0]), np.array([0])
     running = np.array([True])
     probes, log = [], []
     for step in range(80):
-        g, gap, want, batch = spec_engine.backoff_decide(rule, floor, gain, idle, gap, running, xp=np)
+        g, gap, want, batch = backoff_decide(rule, floor, gain, idle, gap, running, xp=np)
         if not (batch and want[0]):
             idle = idle + 1  # a plain step
             continue
         probes.append(step)
         got = np.array([3.0 if step >= 60 else 0.0])  # the drafter starts to help at step 60
-        gain, idle, gap = spec_engine.backoff_update(rule, floor, gain, g, idle, gap, np.array([True]), got, xp=np)
+        gain, idle, gap = backoff_update(rule, floor, gain, g, idle, gap, np.array([True]), got, xp=np)
         log.append(int(gap[0]))
     # steps 0, 1: the optimistic seed (2.0) decays below 1.0 after two empty verifies, then gaps 4, 8, 16, 16
     assert probes[:6] == [0, 1, 6, 15, 32, 49], probes
@@ -206,16 +207,16 @@ def test_probe_gap_doubles_after_failed_probes_and_resets_on_success():
 
 
 def test_batch_backs_off_only_when_the_mean_gain_is_low():
-    rule = spec_engine.Adaptive(min_gain=1.0, probe_every=4)
+    rule = Adaptive(min_gain=1.0, probe_every=4)
     idle, gap = np.zeros(4, int), np.zeros(4, int)
     running = np.array([True, True, True, False])
-    _, _, want, batch = spec_engine.backoff_decide(rule, 1.0, np.array([3.0, 0.1, 0.1, 9.0]), idle, gap, running,
+    _, _, want, batch = backoff_decide(rule, 1.0, np.array([3.0, 0.1, 0.1, 9.0]), idle, gap, running,
                                                    xp=np)
     assert list(want) == [True, False, False, True] and batch  # (3 + 0 + 0) / 3 running rows >= 1
-    _, _, _, batch = spec_engine.backoff_decide(rule, 1.0, np.array([2.0, 0.1, 0.1, 9.0]), idle, gap, running,
+    _, _, _, batch = backoff_decide(rule, 1.0, np.array([2.0, 0.1, 0.1, 9.0]), idle, gap, running,
                                                 xp=np)
     assert not batch  # 2 / 3 < 1: the finished row's high gain does not count
-    _, _, _, batch = spec_engine.backoff_decide(rule, 1.0, np.array([2.0, 0.1, 0.1, 9.0]), np.array([0, 0, 16, 0]),
+    _, _, _, batch = backoff_decide(rule, 1.0, np.array([2.0, 0.1, 0.1, 9.0]), np.array([0, 0, 16, 0]),
                                                 gap, running, xp=np)
     assert batch  # a row idle for four gaps forces a probe of the batch
 
@@ -225,20 +226,20 @@ def test_batch_of_rarely_hitting_rows_backs_off():
     do: some row proposes at every step, so the batch pays a verify forward every step for a mean of 0.5 accepted
     tokens per row, below the break-even of 1. Counting a row's misses in the steps it rode along in as 0 makes
     the batch back off; counting hits only (gain 2) would keep it verifying at a loss forever."""
-    rule = spec_engine.Adaptive(min_gain=1.0, probe_every=4, max_gap_factor=8)
+    rule = Adaptive(min_gain=1.0, probe_every=4, max_gap_factor=8)
     B, floor = 4, 1.0
     gain, idle, gap = np.full(B, np.inf), np.zeros(B, int), np.zeros(B, int)
     running = np.ones(B, bool)
     verified = []
     for step in range(200):
-        g, gap, want, batch = spec_engine.backoff_decide(rule, floor, gain, idle, gap, running, xp=np)
+        g, gap, want, batch = backoff_decide(rule, floor, gain, idle, gap, running, xp=np)
         hits = (np.arange(B) + step) % 4 == 0
         if not (batch and np.any(hits & want)):
             idle = idle + 1
             verified.append(False)
             continue
         got = np.where(hits & want, 2.0, 0.0)
-        gain, idle, gap = spec_engine.backoff_update(rule, floor, gain, g, idle, gap, want & running, got, xp=np)
+        gain, idle, gap = backoff_update(rule, floor, gain, g, idle, gap, want & running, got, xp=np)
         verified.append(True)
     assert sum(verified[100:]) <= 20, sum(verified[100:])  # a few probes, not a verify every step
     assert np.all(gain < floor)

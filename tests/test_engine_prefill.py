@@ -14,7 +14,9 @@ import pytest
 
 from helpers import save_hf_model, tiny_config, tiny_params
 from specjax import engine
-from specjax.api import LLM, pad_prompts
+from specjax.buckets import Buckets, PREFILL_CHUNK, make_buckets
+from specjax.api import LLM
+from specjax.requests import pad_prompts
 from specjax.config import SamplingParams
 from specjax.sampling import SamplingArrays
 
@@ -37,7 +39,7 @@ def test_chunked_prefill_matches_the_whole_prompt(chunk):
     rng = np.random.default_rng(0)
     lens = [5, 37, 64, 16]  # shorter than a chunk, several chunks plus a bit, exactly P, exactly one chunk
     prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in lens]
-    whole = engine.Buckets(batch=5, prompt_len=64, max_new=16, capacity=128)
+    whole = Buckets(batch=5, prompt_len=64, max_new=16, capacity=128)
     chunked = dataclasses.replace(whole, prefill_chunk=chunk)
     tokens, lens_a, active = pad_prompts(prompts, 5, 64)  # row 4 is an inactive padding row
     features = ("final", 0)
@@ -60,14 +62,14 @@ def test_chunked_prefill_matches_the_whole_prompt(chunk):
 
 
 def test_make_buckets_chunks_only_long_prompt_buckets():
-    assert engine.make_buckets(4, 100, 32).prefill_chunk == 0
-    long = engine.make_buckets(4, 300, 32)
-    assert long.prompt_len == 512 and long.prefill_chunk == engine.PREFILL_CHUNK
+    assert make_buckets(4, 100, 32).prefill_chunk == 0
+    long = make_buckets(4, 300, 32)
+    assert long.prompt_len == 512 and long.prefill_chunk == PREFILL_CHUNK
     assert long.prompt_len % long.prefill_chunk == 0
 
 
 def test_chunk_must_divide_the_prompt_bucket():
-    b = engine.Buckets(batch=1, prompt_len=64, max_new=16, capacity=128, prefill_chunk=24)
+    b = Buckets(batch=1, prompt_len=64, max_new=16, capacity=128, prefill_chunk=24)
     tokens, lens, active = pad_prompts([[1, 2, 3]], 1, 64)
     with pytest.raises(ValueError, match="not a multiple of the prefill chunk"):
         _prefill(b, tokens, lens, active, _sampling(1), ())
@@ -83,7 +85,7 @@ def test_batched_generation_with_a_long_prompt_equals_one_at_a_time(llm):
     """A 400-token prompt puts the batch in a chunked bucket (512 > PREFILL_CHUNK); the short rows are prefilled
     as far as their own length, and every row decodes exactly as it does alone (greedy and sampled)."""
     prompts = ["lorem ipsum dolor sit amet " * 15, "short one", "a prompt of middling length, " * 4]
-    assert len(llm.encode_prompt(prompts[0], False)) > engine.PREFILL_CHUNK
+    assert len(llm.encode_prompt(prompts[0], False)) > PREFILL_CHUNK
     for sp in (SamplingParams(max_new_tokens=12, ignore_eos=True),
                SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.9, seed=4)):
         together = llm.generate(prompts, sp)

@@ -124,7 +124,7 @@ def test_one_device_mesh_places_and_generates_like_no_mesh():
     kernels) give the plain greedy tokens of the unplaced model."""
     from spec_helpers import make_sampling, outputs, run_plain, tiny_buckets
     from specjax import engine
-    from specjax.api import pad_prompts
+    from specjax.requests import pad_prompts
 
     cfg = tiny_config(96)
     params = fuse_projections(tiny_params(cfg, seed=1))

@@ -17,7 +17,9 @@ import pytest
 
 from helpers import save_hf_model, smollm2_gguf_path, tiny_config, tiny_params
 from specjax import engine
-from specjax.api import LLM, pad_prompts
+from specjax.buckets import make_buckets
+from specjax.api import LLM
+from specjax.requests import pad_prompts
 from specjax.config import SamplingParams
 from specjax.sampling import SamplingArrays
 
@@ -44,7 +46,7 @@ def sampling_arrays(requests, batch, num_stop):
 
 
 def run_engine(params, cfg, prompts, requests):
-    b = engine.make_buckets(len(prompts), max(map(len, prompts)), max(r.get("max_new", 8) for r in requests))
+    b = make_buckets(len(prompts), max(map(len, prompts)), max(r.get("max_new", 8) for r in requests))
     tokens, lens, active = pad_prompts(prompts, b.batch, b.prompt_len)
     sampling = sampling_arrays(requests, b.batch, b.num_stop)
     state = engine.prefill(params, cfg, b, tokens, lens, active, sampling)

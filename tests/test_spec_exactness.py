@@ -30,7 +30,7 @@ import warnings
 import numpy as np
 import pytest
 
-from specjax import engine
+from specjax.buckets import Buckets
 from specjax.runners.speculative import drafter_for
 from specjax.config import SamplingParams, SpeculativeConfig
 
@@ -142,7 +142,7 @@ def decode_all(llm, prompts, batch: int, method: str | None):
     for chunk in batches(prompts, batch):
         ids = [prompts[i][2] for i in chunk]
         width = next(w for w in WIDTHS if max(map(len, ids)) <= w)
-        buckets = engine.Buckets(batch, width, MAX_NEW, -(-(width + MAX_NEW + MAX_NODES) // 128) * 128,
+        buckets = Buckets(batch, width, MAX_NEW, -(-(width + MAX_NEW + MAX_NODES) // 128) * 128,
                                  kv_dtype=llm.kv_cache_dtype)
         sampling = llm.sampling_arrays([SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)] * len(ids),
                                        batch, buckets.num_stop)

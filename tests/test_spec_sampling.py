@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import acceptance, engine, spec_engine
+from specjax import acceptance, engine
+from specjax.backoff import Adaptive
+from specjax.buckets import Buckets
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.kv_cache import init_cache
@@ -39,7 +41,7 @@ V = 12
 NEW = 3  # tokens sampled per sequence
 ROWS = 4096  # sequences per jitted call (each row its own seed)
 CALLS = 4  # -> 16384 sequences per run
-BUCKETS = engine.Buckets(ROWS, 16, 16, 48)
+BUCKETS = Buckets(ROWS, 16, 16, 48)
 PROMPT_LEN = 15
 GAMMA = 2
 PASS_P = 1e-3  # an exact sampler must give p above this (fixed seeds: deterministic outcome)
@@ -253,7 +255,7 @@ def test_speculative_sampling_with_back_off_matches_the_exact_distribution(targe
     """With the adaptive back-off forced to alternate (plain step, then a probe) from a backed-off start, y2
     comes from a plain step inside the speculative loop (the draft only observes it) and y3 from a verify step."""
     drafter, dparams = drafter_for("draft_model", draft)
-    back_off = spec_engine.Adaptive(min_gain=5.0, probe_every=1, max_gap_factor=1)
+    back_off = Adaptive(min_gain=5.0, probe_every=1, max_gap_factor=1)
     samples = sample_sequences(target, prompt, SETTINGS["t1"], drafter, dparams, base_seed=5 * 10 ** 6,
                                adaptive=back_off, backed_off=True)
     res = joint_test(samples, exact_joint(exact_logits, SETTINGS["t1"]))

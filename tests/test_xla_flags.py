@@ -47,9 +47,10 @@ import jax, jax.numpy as jnp
 import specjax
 from spec_helpers import tiny_config, tiny_params, tiny_llm
 from specjax import engine, spec_engine
+from specjax.buckets import make_buckets
 from specjax.backoff import adaptive_rule
 from specjax.runners.speculative import drafter_for
-from specjax.api import pad_prompts
+from specjax.requests import pad_prompts
 from specjax.config import SamplingParams, SpeculativeConfig
 
 config = tiny_config(64)
@@ -63,7 +64,7 @@ if os.environ.get("DRAFTER") == "draft_model":
     dcfg = dataclasses.replace(config, num_layers=2, num_kv_heads=1)
     drafter = DraftModelDrafter(dcfg, 3, config.vocab_size)
     dparams = {"params": tiny_params(dcfg, seed=1)}
-b = engine.make_buckets(2, 12, 16, extra_slots=drafter.tree.num_nodes)
+b = make_buckets(2, 12, 16, extra_slots=drafter.tree.num_nodes)
 toks, lens, act = pad_prompts([[1, 2, 3, 1, 2, 3], [4, 5, 6, 4, 5]], b.batch, b.prompt_len)
 sampling = llm.sampling_arrays([SamplingParams(max_new_tokens=16)] * 2, b.batch, b.num_stop)
 st = spec_engine.spec_prefill(llm.params, llm.config, dparams, drafter, b, toks, lens, act, sampling)

@@ -244,7 +244,7 @@ class SpeculativeConfig:
         (same node budget, so the same verify cost; `specjax.drafters.with_lookup`). 0 = the head alone.
     acceptance: 'lossless' (exact target distribution) or 'typical' (Medusa typical acceptance; lossy, see
         `is_lossy`); typical_posterior_* are its threshold and alpha.
-    adaptive: per-sequence back-off (`spec_engine.Adaptive`): a sequence whose accepted tokens per verify step
+    adaptive: per-sequence back-off (`backoff.Adaptive`): a sequence whose accepted tokens per verify step
         stay below the break-even measured on this hardware decodes plainly and probes again later;
         False = always speculate.
     """

@@ -24,8 +24,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import acceptance
-from specjax.acceptance import TypicalMode, accept  # noqa: F401  (the modes a Medusa drafter takes)
+from specjax.acceptance import TypicalMode
 from specjax.drafters.base import DraftContext, Proposal, Stateless
 from specjax.heads.medusa import MedusaConfig, MedusaError, head_hidden, head_logits, top_candidates
 from specjax.tree import TreeError, TreeSpec, from_choices, validate_choices

@@ -14,7 +14,7 @@ import numpy as np
 
 from specjax.drafters.base import DrafterCapabilities, Proposal, Stateless
 from specjax.drafters.suffix_tree import SuffixIndex, proposal_to_fixed, speculate
-from specjax.tree import TreeSpec, chain
+from specjax.tree import TreeSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,8 +40,7 @@ import numpy as np
 from specjax.config import SamplingParams, SpeculativeConfig
 from specjax.requests import (check_request, encode_prompt, finish_name, num_stop, pad_prompts, sampling_arrays,
                               uses_options)
-from specjax.runners.batch_io import (BatchError, JobSummary, Request, ResultFile, check_input,  # noqa: F401
-                                      check_paths, open_output, read_requests)
+from specjax.runners.batch_io import BatchError, JobSummary, Request, ResultFile, check_paths, read_requests
 
 # JAX and the engines are imported where they are used: `specjax --help` builds the batch command's argument
 # parser and should not pay for importing JAX.

@@ -17,16 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import engine, spec_engine
-from specjax.backoff import (CALIBRATION_MIN_VERIFY, CALIBRATION_STEPS, NO_LIMIT, Adaptive,  # noqa: F401
-                             adaptive_rule, backoff_decide, backoff_update, calibrate, mean_gain)
+from specjax.backoff import (NO_LIMIT, Adaptive, adaptive_rule, backoff_decide, backoff_update, calibrate,
+                             mean_gain)
 from specjax.buckets import make_buckets
 from specjax.config import SpeculativeConfig
 from specjax.drafters.base import Proposal
-from specjax.drafters.build import SpeculativeConfigError, build_drafter, resolve_draft_path  # noqa: F401
+from specjax.drafters.build import build_drafter
 from specjax.requests import spec_metrics
 from specjax.runners.base import (SPEC_STREAM_CHUNK, DeviceVariant, chunk_views, generate as run_variant, run_to_end,
                                   stream_events)
-from specjax.runners.runtime import SUFFIX_GLOBAL_SEQS  # noqa: F401  (tests size their own index by it)
 
 
 def drafter_for(llm, spec: SpeculativeConfig) -> tuple:

@@ -150,7 +150,7 @@ def run_requests(llm, prompts: Sequence[BenchPrompt], spec: SpeculativeConfig | 
                  all_turns: bool = False, progress=None, reps: int = 1) -> list[dict]:
     """One record per prompt (batch 1). Multi-turn prompts run as a conversation when all_turns is set. Each
     generation runs `reps` times; the fastest run's timings are kept."""
-    from specjax.engine import make_buckets
+    from specjax.buckets import make_buckets
 
     warm: set = set()
     records = []
@@ -244,7 +244,7 @@ def _first_turn(p: BenchPrompt) -> list[dict]:
 
 def _bucket_key(llm, chats: list[list[dict]], max_new: int) -> tuple[int, int]:
     """(batch bucket, prompt bucket) of one generate call: a new key means a new compilation."""
-    from specjax.engine import make_buckets
+    from specjax.buckets import make_buckets
 
     longest = max(len(llm.encode_prompt(c, None)) for c in chats)
     b = make_buckets(len(chats), longest, max_new)

@@ -66,8 +66,8 @@ def _best_time(f, *args, reps: int = 5) -> float:
 
 
 def prompt_bucket(llm, prompt) -> int:
-    """The prompt-length bucket a chat prompt compiles for (`engine.make_buckets` rounds to a power of two)."""
-    from specjax.engine import make_buckets
+    """The prompt-length bucket a chat prompt compiles for (`make_buckets` rounds to a power of two)."""
+    from specjax.buckets import make_buckets
 
     return make_buckets(1, len(llm.encode_prompt(prompt, True)), 1).prompt_len
 
@@ -181,14 +181,15 @@ def measure_loop_costs(llm, settings: dict[int, SpeculativeConfig], prompts: lis
 def measure_draft_cost(llm, spec: SpeculativeConfig, prompt: list[int]) -> float:
     """Seconds of one propose of the drafter `spec` builds (any drafter, chain or tree) after prefilling `prompt`;
     0 for host-side drafters, whose proposals are timed by the generation itself."""
-    from specjax import engine, spec_engine
+    from specjax import spec_engine
+    from specjax.buckets import make_buckets
     from specjax.requests import pad_prompts
     from specjax.runners.speculative import drafter_for
 
     drafter, dparams = drafter_for(llm, spec)
     if drafter.capabilities.host_side:
         return 0.0
-    b = engine.make_buckets(1, len(prompt), 64, extra_slots=drafter.tree.num_nodes)
+    b = make_buckets(1, len(prompt), 64, extra_slots=drafter.tree.num_nodes)
     toks, lens, act = pad_prompts([prompt], b.batch, b.prompt_len)
     sampling = llm.sampling_arrays([SamplingParams(max_new_tokens=64)], b.batch, b.num_stop)
     st = spec_engine.spec_prefill(llm.params, llm.config, dparams, drafter, b, toks, lens, act, sampling)

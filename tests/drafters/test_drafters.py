@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from specjax import engine, spec_engine
+from specjax.backoff import Adaptive
 from specjax.config import SamplingParams
 from specjax.drafters.base import DraftContext, Proposal, Stateless
 from specjax.drafters.draft_model import DraftModelDrafter
@@ -332,7 +333,7 @@ def test_api_stop_and_length_through_generate(target):
 
 ADAPTIVE = {
     "always": None,
-    "backoff": spec_engine.Adaptive(min_gain=5.0, probe_every=2, max_gap_factor=1),  # probes every 3rd step
+    "backoff": Adaptive(min_gain=5.0, probe_every=2, max_gap_factor=1),  # probes every 3rd step
 }
 
 
@@ -385,13 +386,14 @@ def test_suffix_host_loop_backs_off_and_stays_exact(target, plain_greedy, monkey
     # a loaded machine those wall times made verification look cheap and the rows kept speculating; a clock that
     # advances 1 per plain step and 10 per verify step makes the break-even 9 accepted tokens, which no row reaches.
     clock = [0.0]
-    steps = {"plain_step_jit": 1.0, "verify_accept_jit": 10.0}
+    steps = {"plain_step_jit": 1.0, "plain_steps_jit": 1.0, "verify_accept_jit": 10.0}
 
     def ticking(name):
         real = getattr(spec_engine, name)
 
         def step(*args, **kwargs):
-            clock[0] += steps[name]
+            # plain_steps_jit runs a backed-off stretch: its 7th argument is the number of plain steps
+            clock[0] += steps[name] * (int(args[6]) if name == "plain_steps_jit" else 1)
             return real(*args, **kwargs)
         return step
 
@@ -399,7 +401,7 @@ def test_suffix_host_loop_backs_off_and_stays_exact(target, plain_greedy, monkey
         monkeypatch.setattr(spec_engine, name, ticking(name))
     monkeypatch.setattr(speculative, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     drafter = SuffixDrafter(num_speculative_tokens=6, max_tree_depth=4)
-    backoff = spec_engine.Adaptive(min_gain=5.0, probe_every=2)
+    backoff = Adaptive(min_gain=5.0, probe_every=2)
     state, _ = run_suffix(params, config, drafter, BUCKETS, PROMPTS, make_sampling(BATCH, max_new=MAX_NEW),
                           adaptive=backoff)
     outs, _ = outputs(state.dec, len(PROMPTS))
@@ -535,7 +537,7 @@ def test_draft_cache_after_a_long_back_off_equals_a_fresh_prefill(target, draft,
     dparams = {"params": dp}
     sampling = make_sampling(BATCH, temperature=1.0, seed=[11, 12, 13, 14], max_new=MAX_NEW)
     state = run_spec(params, config, dparams, drafter, BUCKETS, PROMPTS, sampling, max_steps=23,
-                     adaptive=spec_engine.Adaptive(min_gain=5.0, probe_every=20, max_gap_factor=1))
+                     adaptive=Adaptive(min_gain=5.0, probe_every=20, max_gap_factor=1))
     assert np.asarray(state.stats.plain_steps).min() >= 20 and np.asarray(state.stats.verify_steps).min() == 2
     assert np.all(np.asarray(state.dec.finish) == engine.FINISH_RUNNING)
     L = np.asarray(state.dec.cache.lengths)

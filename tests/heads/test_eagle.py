@@ -28,6 +28,7 @@ import pytest
 from safetensors import safe_open
 
 from specjax import engine, spec_engine
+from specjax.backoff import Adaptive
 from specjax.drafters.eagle import EagleDrafter, EagleDrafterError, load_eagle_drafter
 from specjax.heads.eagle import HeadConfig, head_config, head_logits, init_from_target, unrolled_hidden
 from specjax.heads.eagle_io import (HEAD_FORMATS, HeadFormatError, HeadMismatchError, load_head, save_head)
@@ -106,9 +107,9 @@ def bigram():
 
 # Back-off on every other step: a verify step (idle 0) makes no row want to speculate, the plain step after it
 # (idle 1 = probe_every) makes every row probe again.
-ALTERNATE = spec_engine.Adaptive(min_gain=1e9, probe_every=1, max_gap_factor=1)
+ALTERNATE = Adaptive(min_gain=1e9, probe_every=1, max_gap_factor=1)
 # One verify step, 10 plain steps, a probe, plain steps again.
-LONG_GAP = spec_engine.Adaptive(min_gain=1e9, probe_every=10, max_gap_factor=1)
+LONG_GAP = Adaptive(min_gain=1e9, probe_every=10, max_gap_factor=1)
 
 
 def plain_outputs(params, config, drafter):

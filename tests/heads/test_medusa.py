@@ -17,10 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import acceptance, engine, spec_engine
+from specjax import acceptance
+from specjax.acceptance import TypicalMode, accept
+from specjax.backoff import Adaptive
+from specjax.buckets import Buckets
 from specjax.drafters.base import DraftContext
-from specjax.drafters.medusa import (DEFAULT_CHOICES, MedusaDrafter, TypicalMode, accept, chain_choices,
-                                     choices_from_accuracy, expected_accepted, from_spec)
+from specjax.drafters.medusa import (DEFAULT_CHOICES, MedusaDrafter, chain_choices, choices_from_accuracy,
+                                     expected_accepted, from_spec)
 from specjax.heads.medusa import (MedusaConfig, MedusaError, apply, draft_params, head_hidden, init_heads,
                                   residual_blocks)
 from specjax.heads.medusa_io import MedusaFormatError, detect_layout, load_medusa, save_medusa
@@ -195,7 +198,7 @@ def _medusa(target, fitted, choices, mode="deterministic"):
     return MedusaDrafter(hcfg, choices, mode), draft_params(hcfg, heads, params)
 
 
-@pytest.mark.parametrize("choices,adaptive,lookup", [(TREE, None, 0), (chain_choices(K), spec_engine.Adaptive(), 0),
+@pytest.mark.parametrize("choices,adaptive,lookup", [(TREE, None, 0), (chain_choices(K), Adaptive(), 0),
                                                     (TREE, None, 3)],
                          ids=["tree", "chain-adaptive", "tree-with-lookup-branch"])
 def test_greedy_equals_plain_through_the_engine(target, fitted, plain_greedy, choices, adaptive, lookup):
@@ -228,7 +231,7 @@ def test_sampled_outputs_follow_the_target_distribution(target, fitted):
     prompt = PROMPTS[0]
     temp = 1.0
     drafter, dp = _medusa(target, fitted, TREE)
-    b = engine.Buckets(n, 16, 16, 64)
+    b = Buckets(n, 16, 16, 64)
     sampling = make_sampling(n, temperature=temp, seed=np.arange(n), max_new=2)
     state = run_spec(params, config, dp, drafter, b, [prompt] * n, sampling)
     outs, _ = outputs(state.dec, n)

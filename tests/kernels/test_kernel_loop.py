@@ -23,7 +23,8 @@ import pytest
 
 from helpers import smollm2_gguf_path, tiny_config, tiny_params
 from specjax import engine, spec_engine
-from specjax.api import pad_prompts
+from specjax.buckets import make_buckets
+from specjax.requests import pad_prompts
 from specjax.backends import get_attention
 from specjax.drafters.base import DraftContext, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
@@ -84,7 +85,7 @@ class OracleDrafter:
 
 
 def _inputs(ids, max_new, extra, num_stop=4):
-    b = engine.make_buckets(len(ids), max(map(len, ids)), max(max_new), extra_slots=extra, num_stop=num_stop)
+    b = make_buckets(len(ids), max(map(len, ids)), max(max_new), extra_slots=extra, num_stop=num_stop)
     tokens, lens, active = pad_prompts(ids, b.batch, b.prompt_len)
     mx = list(max_new) + [max_new[-1]] * (b.batch - len(ids))
     sampling = SamplingArrays(

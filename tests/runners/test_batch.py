@@ -353,13 +353,14 @@ def test_every_state_leaf_is_batch_first(llm):
     """`insert_row` moves a request by scattering row 0 of every leaf: that needs every leaf of the plain and
     speculative states (drafter caches included) to lead with the batch axis. Checked by tracing only."""
     from specjax import engine
+    from specjax.buckets import make_buckets
     from specjax.drafters.draft_model import DraftModelDrafter
     from specjax.drafters.ngram import NgramDrafter
 
     dcfg = LlamaConfig(vocab_size=264, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                        num_kv_heads=1, head_dim=8, max_position_embeddings=512)
     dparams = {"params": init_params(dcfg, jax.random.PRNGKey(1), jnp.float32)}
-    buckets = engine.make_buckets(1, 16, 16, extra_slots=4)
+    buckets = make_buckets(1, 16, 16, extra_slots=4)
     sampling = llm.sampling_arrays([batch.SamplingParams()] * 5, 5, buckets.num_stop)
     for drafter, dp in ((None, None), (NgramDrafter(3), {}), (DraftModelDrafter(dcfg, 3, 264), dparams)):
         state = batch.programs(llm, buckets, 5, drafter, dp).empty(sampling)

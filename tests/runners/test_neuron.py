@@ -18,6 +18,8 @@ from jax import lax
 
 from helpers import save_hf_model, smollm2_gguf_path, tiny_config, tiny_params
 from specjax import engine, spec_engine
+from specjax.backoff import Adaptive
+from specjax.buckets import Buckets
 from specjax.backends import neuron
 from specjax.runners import neuron as neuron_runner
 from specjax.backends.jaxpr_check import (PolicyViolationError, check_function, check_jaxpr, hlo_census,
@@ -105,7 +107,7 @@ def test_library_device_loops_and_cond_are_flagged():
         loop = jax.make_jaxpr(lambda p, d, s, sa: spec_engine.spec_loop(p, CFG, d, runner.drafter, s, sa,
                                                                          jnp.int32(5)))(P, D, state, samp)
         with_cond = jax.make_jaxpr(lambda p, d, s, sa: spec_engine.spec_step(
-            p, CFG, d, runner.drafter, s, sa, None, allow_cond=True, adaptive=spec_engine.Adaptive()))(
+            p, CFG, d, runner.drafter, s, sa, None, allow_cond=True, adaptive=Adaptive()))(
             P, D, state, samp)
     rep = check_jaxpr(loop, name="spec_loop")
     assert "while" in _error_prims(rep), rep.summary()
@@ -303,7 +305,7 @@ def test_bucket_table_and_selection():
         neuron.bucket_table((1,), (48,), (64,))
     with pytest.raises(neuron.NeuronBucketError, match="not one of"):
         neuron.bucket_table((3,), (64,), (64,))
-    assert neuron.bucket_for(3, 20, 40, tree_nodes=4) == engine.Buckets(4, 32, 64, 128, 4)
+    assert neuron.bucket_for(3, 20, 40, tree_nodes=4) == Buckets(4, 32, 64, 128, 4)
     with pytest.raises(neuron.NeuronBucketError, match="split them"):
         neuron.bucket_for(9, 20, 40)
 
@@ -311,7 +313,7 @@ def test_bucket_table_and_selection():
 def test_warmup_rejects_a_bucket_without_tree_slots():
     runner = _runner("ngram")
     small = neuron.bucket_table((1,), (16,), (16,), tree_nodes=1).buckets[0]  # capacity 64 >= 33: fits
-    tight = engine.Buckets(1, 16, 16, 32, 4)
+    tight = Buckets(1, 16, 16, 32, 4)
     with pytest.raises(neuron.NeuronBucketError, match="tree slots"):
         runner.warmup([tight])
     assert small.capacity == 64
