@@ -33,8 +33,8 @@ from specjax.errors import SpecjaxError
 
 FFI_TARGET = "specjax_small_matmul"
 # Row limits of the `auto` policy: above 16 rows (float32) and 64 rows (bfloat16) XLA's blocked product wins or the
-# kernel's gain is unmeasured. One-token float32 steps gain too (decode batch 1: 35.2 -> 39.5 tok/s, mean of four
-# interleaved pairs), and plain and verify steps then share one summation order.
+# kernel's gain is unmeasured. One-token float32 steps gain too (reports/decode_cpu/README.md, "A CPU kernel for the
+# few-row products"), and plain and verify steps then share one summation order.
 AUTO_F32_ROWS = (1, 16)
 AUTO_BF16_ROWS = (1, 64)
 

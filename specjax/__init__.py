@@ -8,9 +8,10 @@ __version__ = "0.1.0"
 import os as _os
 
 # XLA:CPU's default copy insertion copies every loop-carried buffer that enters a `lax.cond` branch which updates
-# it: the speculative loop's cond (plain step or verify step) copied the whole KV cache twice per step, which at
-# batch 16 made a fully backed-off speculative loop 1.4x slower than plain decoding. Region analysis proves the
-# copies unnecessary. XLA reads XLA_FLAGS when the first backend starts, so this must run before any computation;
+# it: the speculative loop's cond (plain step or verify step) copied the whole KV cache twice per step, which made
+# a fully backed-off speculative loop slower than plain decoding at large batch (reports/batch_cpu_region/README.md
+# has the figures). Region analysis proves the copies unnecessary. XLA reads XLA_FLAGS when the first backend
+# starts, so this must run before any computation;
 # it is skipped when the user set the flag, and for jaxlib releases other than the pinned 0.10 line, whose flag
 # parser may not know it (an unknown flag aborts the process). SPECJAX_XLA_FLAGS=0 turns it off.
 _REGION_FLAG = "xla_cpu_copy_insertion_use_region_analysis"

@@ -109,7 +109,8 @@ class LLM:
         self.quantized_lm_head = "lm_head_q" in loaded.params
         self.kv_cache_dtype = kv_cache_dtype
         self.config = loaded.config
-        # The inference layout (fused, [out, in] projections): 10-25% faster target forwards on XLA:CPU.
+        # The inference layout (fused, [out, in] projections): faster target forwards on XLA:CPU (figures:
+        # reports/decode_cpu/README.md, "Fused projections").
         self.params = fuse_projections(loaded.params)
         if mesh is not None:
             plan = meshes.plan_for(loaded.config, built, "auto" if mesh_config is None else mesh_config.attention)

@@ -280,7 +280,7 @@ def spec_step(params, config: LlamaConfig, dparams, drafter, state: SpecState, s
     def no_draft(state):
         # No proposal, so this step is a plain one: the drafter observes it here. In the plain branch below, which
         # also writes the target's KV cache, the drafter's cache update cost a step time growing with the context,
-        # like a copy of the target's cache (EAGLE-3 on a 3.4k-token RAG prompt: 13.6 against 18 tok/s plain).
+        # like a copy of the target's cache (EAGLE-3 on a long RAG prompt: reports/spec_bench_cpu/backoff_observe/).
         shapes = jax.eval_shape(draft, state)[0]
         return (jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
                 drafter.observe_plain(dparams, state.dstate, ctx))
