@@ -339,3 +339,24 @@ def smollm2_gguf_path() -> str | None:
 
 def replace_config(config: LlamaConfig, **changes) -> LlamaConfig:
     return dataclasses.replace(config, **changes)
+
+
+# ------------------------------------------------------------------------------------------------ GGUF blocks
+# Where each format keeps its float16 scales, and a scale that keeps its largest value near 0.3.
+_GGUF_SCALES = {"Q4_0": {0: 0.04}, "Q4_1": {0: 0.02, 2: -0.15}, "Q5_0": {0: 0.02}, "Q5_1": {0: 0.01, 2: -0.15},
+                "Q8_0": {0: 0.002}, "Q4_K": {0: 3e-4, 2: 2e-3}, "Q5_K": {0: 1.5e-4, 2: 2e-3}, "Q6_K": {208: 7e-5}}
+
+
+def random_gguf_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, row_bytes]: rows of random ggml blocks of `type_name` (codes and packed sub-scales random, the
+    float16 scales finite and small), for formats the gguf package cannot quantize to (the K-quants)."""
+    from specjax.kernels.gguf_matmul import TYPES
+
+    t = TYPES[type_name]
+    rng = np.random.default_rng(seed)
+    nb = k // t.values
+    raw = rng.integers(0, 256, (n, nb, t.nbytes), dtype=np.uint8)
+    for offset, size in _GGUF_SCALES[type_name].items():
+        half = (size * rng.uniform(-1.0, 1.0, (n, nb))).astype(np.float16)
+        raw[:, :, offset:offset + 2] = half.view(np.uint8).reshape(n, nb, 2)
+    return raw.reshape(n, nb * t.nbytes)

@@ -1,5 +1,7 @@
-"""Weight-only quantized projections: int8 (per output channel), int4 (group-wise) and GGUF's Q8_0 / Q4_0 / Q4_1
-blocks kept as the file stores them, behind one `linear(x, w)` that the model calls for every projection.
+"""Weight-only quantized projections: int8 (per output channel), int4 (group-wise) and GGUF's blocks kept as the
+file stores them (Q8_0 / Q4_0 / Q4_1 as QuantWeights below; Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K as a
+`BlockWeight` of the file's own bytes, multiplied by `specjax.kernels.gguf_matmul`), behind one `linear(x, w)`
+that the model calls for every projection.
 
 A quantized weight is a `QuantWeight` pytree: codes and scales are its leaves (arrays), the format is static, so a
 params tree holding them jits like any other and a change of format is a change of program. Weights are stored
@@ -41,11 +43,15 @@ import numpy as np
 
 from specjax.backends import ops
 from specjax.errors import SpecjaxError
-from specjax.kernels import cpu_quant_matmul
+from specjax.kernels import cpu_quant_matmul, gguf_matmul
 
 QUANTIZATIONS = ("int8", "int4", "gguf", "w8a8")  # what LLM(quantization=...) accepts besides None
 KINDS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "w8a8")
-GGUF_NATIVE = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF types kept as stored by quantization="gguf"
+GGUF_NATIVE = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF types kept as a QuantWeight by "gguf"
+# GGUF types kept as stored by quantization="gguf" (`BlockWeight`, the file's bytes): the K-quants and Q5_0 / Q5_1.
+# Q8_0 / Q4_0 / Q4_1 stay QuantWeights (`GGUF_NATIVE`) unless a fused matrix mixes them with these.
+GGUF_BLOCKS = tuple(t for t in gguf_matmul.TYPES if t not in GGUF_NATIVE)
+GGUF_KEPT = tuple(GGUF_NATIVE) + GGUF_BLOCKS  # every GGUF type quantization="gguf" keeps as stored
 DEFAULT_GROUP_SIZE = 32  # GGUF Q4 block size: a Q4 file requantized at 32 lands on its own grid
 BLOCK = cpu_quant_matmul.BLOCK  # GGUF block length, the granularity of 4-bit packing and of the CPU kernel
 
@@ -88,8 +94,49 @@ jax.tree_util.register_dataclass(QuantWeight, data_fields=["codes", "scale", "mi
                                  meta_fields=["kind", "group"])
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockWeight:
+    """A weight [N, k] as a GGUF file stores it: blocks uint8 [N, row_bytes], each row a run of ggml blocks of
+    type `type_name` (`specjax.kernels.gguf_matmul.TYPES`). type_name and k are static (pytree metadata)."""
+
+    blocks: jax.Array
+    type_name: str
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.blocks.shape[0]), int(self.k))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.size)
+
+
+jax.tree_util.register_dataclass(BlockWeight, data_fields=["blocks"], meta_fields=["type_name", "k"])
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStack:
+    """Weights of different formats stacked along the output axis, as one [sum N, K] weight: a fused q/k/v or
+    gate/up matrix whose parts a GGUF file stores in different types (Q4_K_M keeps some V rows in Q6_K). The
+    product is each part's product, concatenated."""
+
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+jax.tree_util.register_dataclass(RowStack, data_fields=["parts"], meta_fields=[])
+
+
 def is_quantized(w) -> bool:
-    return isinstance(w, QuantWeight)
+    return isinstance(w, (QuantWeight, BlockWeight, RowStack))
 
 
 def check_quantization(quantization: str | None) -> str | None:
@@ -216,25 +263,56 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int], na
     return QuantWeight(jnp.asarray(codes), jnp.asarray(scale), minimum, kind, BLOCK)
 
 
-def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
+def from_gguf_raw(raw: np.ndarray, type_name: str, shape: tuple[int, int], name: str = "tensor") -> BlockWeight:
+    """A GGUF tensor's bytes as stored (uint8 [nbytes], e.g. a view of the memory-mapped file) of one of
+    `GGUF_BLOCKS` and [out, in] shape -> the BlockWeight holding those bytes, nothing decoded."""
+    if type_name not in gguf_matmul.TYPES:
+        raise QuantizationError(f"{name}: GGUF type {type_name} is not kept as stored; supported: "
+                                f"{', '.join(GGUF_KEPT)} (other types are dequantized to float)")
+    n, k = shape
+    try:
+        width = gguf_matmul.row_bytes(type_name, k)
+    except gguf_matmul.GgufMatmulInputError as err:
+        raise QuantizationError(f"{name}: {err}") from None
+    raw = np.asarray(raw).view(np.uint8).reshape(-1)
+    if raw.size != n * width:
+        raise QuantizationError(f"{name}: {raw.size} bytes do not hold a {type_name} tensor of shape {shape}")
+    return BlockWeight(jnp.asarray(raw.reshape(n, width)), type_name, k)
+
+
+def take_rows(w, index: np.ndarray):
     """The weight with its output rows reordered (`w[index]`): blocks run along the input axis, so rows move whole."""
     idx = np.asarray(index)
+    if isinstance(w, BlockWeight):
+        return dataclasses.replace(w, blocks=w.blocks[idx])
     return dataclasses.replace(w, codes=w.codes[idx], scale=w.scale[idx],
                                minimum=None if w.minimum is None else w.minimum[idx])
 
 
-def concat_rows(ws: list[QuantWeight]) -> QuantWeight:
-    """Weights of one kind and group stacked along the output axis (q/k/v and gate/up fusion)."""
-    kinds = {(w.kind, w.group, w.shape[1]) for w in ws}
-    if len(kinds) != 1:
-        raise QuantizationError(f"cannot fuse quantized weights of different formats or widths: {sorted(kinds)}")
+def concat_rows(ws: list):
+    """Weights stacked along the output axis (q/k/v and gate/up fusion): one weight of the same format when they
+    share it, else a RowStack of them."""
+    if len({w.shape[1] for w in ws}) != 1:
+        raise QuantizationError(f"cannot fuse weights of different widths: {sorted({w.shape[1] for w in ws})}")
     cat = lambda xs: jnp.concatenate(xs, axis=0)  # noqa: E731
-    return dataclasses.replace(ws[0], codes=cat([w.codes for w in ws]), scale=cat([w.scale for w in ws]),
-                               minimum=None if ws[0].minimum is None else cat([w.minimum for w in ws]))
+    if all(isinstance(w, BlockWeight) for w in ws) and len({w.type_name for w in ws}) == 1:
+        return dataclasses.replace(ws[0], blocks=cat([w.blocks for w in ws]))
+    if all(isinstance(w, QuantWeight) for w in ws) and len({(w.kind, w.group) for w in ws}) == 1:
+        return dataclasses.replace(ws[0], codes=cat([w.codes for w in ws]), scale=cat([w.scale for w in ws]),
+                                   minimum=None if ws[0].minimum is None else cat([w.minimum for w in ws]))
+    parts = []
+    for w in ws:
+        parts.extend(w.parts if isinstance(w, RowStack) else [w])
+    return RowStack(tuple(parts))
 
 
-def dequantize(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
-    """The float weight [N, K] a QuantWeight stands for, computed in float32 and cast to `dtype` (jnp; jittable)."""
+def dequantize(w, dtype=jnp.float32) -> jax.Array:
+    """The float weight [N, K] a quantized weight stands for, computed in float32 and cast to `dtype` (jnp;
+    jittable)."""
+    if isinstance(w, BlockWeight):
+        return gguf_matmul.dequantize(w.blocks, w.type_name, w.k, dtype)
+    if isinstance(w, RowStack):
+        return jnp.concatenate([dequantize(p, dtype) for p in w.parts], axis=0)
     return cpu_quant_matmul.dequantize(w.codes, w.scale, w.minimum, kind=w.kind, group=w.group, dtype=dtype)
 
 
@@ -244,11 +322,16 @@ def dequantize(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
 def linear(x: jax.Array, w, *, out_dtype=None) -> jax.Array:
     """x [..., K] times a weight stored [out, in] ([N, K]) -> [..., N]: the model's one projection.
 
-    Float weights: the op `matmul` (out_dtype default: the dtype XLA's dot gives). A QuantWeight gives x's dtype
-    by default: W8A8 through Qwix, the other kinds through the op `quant_matmul` (see the module docstring)."""
-    if not isinstance(w, QuantWeight):
+    Float weights: the op `matmul` (out_dtype default: the dtype XLA's dot gives). A quantized weight gives x's
+    dtype by default: W8A8 through Qwix, GGUF blocks (BlockWeight) through the op `gguf_matmul`, the other kinds
+    through the op `quant_matmul` (see the module docstring); a RowStack part by part."""
+    if not is_quantized(w):
         return ops.call("matmul", x, w, out_dtype=out_dtype)
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    if isinstance(w, RowStack):
+        return jnp.concatenate([linear(x, p, out_dtype=out_dtype) for p in w.parts], axis=-1)
+    if isinstance(w, BlockWeight):
+        return ops.call("gguf_matmul", x, w.blocks, type_name=w.type_name, out_dtype=out_dtype)
     if w.kind == "w8a8":
         return w8a8_matmul(x, w).astype(out_dtype)
     return ops.call("quant_matmul", x, w.codes, w.scale, w.minimum, kind=w.kind, group=w.group, out_dtype=out_dtype)
@@ -300,8 +383,9 @@ def step_weight_bytes(params) -> int:
 
 
 __all__ = [
-    "BLOCK", "DEFAULT_GROUP_SIZE", "GGUF_NATIVE", "KINDS", "QUANTIZATIONS", "QUANTIZED_KEYS",
-    "QuantWeight", "QuantizationError", "check_lm_head", "check_quantization", "concat_rows", "dequantize", "from_gguf_blocks",
+    "BLOCK", "BlockWeight", "DEFAULT_GROUP_SIZE", "GGUF_BLOCKS", "GGUF_KEPT", "GGUF_NATIVE", "KINDS", "QUANTIZATIONS",
+    "QUANTIZED_KEYS", "QuantWeight", "QuantizationError", "RowStack", "check_lm_head", "check_quantization",
+    "concat_rows", "dequantize", "from_gguf_blocks", "from_gguf_raw",
     "is_quantized", "linear", "pack_nibbles", "quantize_int4", "quantize_int8",
     "quantize_params", "quantize_w8a8", "step_weight_bytes", "take_rows", "w8a8_matmul", "weight_bytes",
 ]
