@@ -114,7 +114,8 @@ def _suggest(name: str, valid) -> str:
 
 def _check_op(op: str, where: str) -> None:
     if op not in TABLE:
-        raise KernelSelectionError(f"unknown op {op!r} in {where}; {_suggest(op, TABLE)}ops: {', '.join(sorted(TABLE))}")
+        raise KernelSelectionError(f"unknown op {op!r} in {where}; {_suggest(op, TABLE)}"
+                                   f"ops: {', '.join(sorted(TABLE))}")
 
 
 def register(op: str, name: str, fn: Callable[..., Any], platforms=None, is_supported=None, *, priority: int = 0,
@@ -165,8 +166,18 @@ def parse_overrides(text: str) -> dict[str, str]:
     return out
 
 
+# The variables SPECJAX_KERNELS replaced: set, they are an error naming the new spelling rather than ignored.
+_RETIRED = {"SPECJAX_CPU_MATMUL": "matmul", "SPECJAX_CPU_ATTENTION": "attention", "SPECJAX_CPU_KV_WRITE": "kv_write",
+            "SPECJAX_QUANT_MATMUL": "quant_matmul"}
+
+
 def overrides() -> dict[str, str]:
     """The overrides in effect: `SPECJAX_KERNELS`, parsed and checked."""
+    for variable, op in _RETIRED.items():
+        if variable in os.environ:
+            value = os.environ[variable].strip().lower() or AUTO
+            raise KernelSelectionError(f"{variable} is no longer read: set {ENV}='{op}={value}' instead (and unset "
+                                       f"{variable}); see docs/kernels.md")
     return parse_overrides(os.environ.get(ENV, ""))
 
 

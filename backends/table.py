@@ -5,6 +5,9 @@
                     xla              all                 0         XLA's dot_general
     quant_matmul    kernel           cpu                 100       C++ quant_matmul, any number of rows
                     xla              all                 0         int8: dot then scale; others dequantize + dot
+    gguf_matmul     kernel           cpu                 100       C++ gguf_matmul: GGUF blocks as stored (Q4_0 ..
+                                                                   Q8_0, Q4_K, Q5_K, Q6_K), any number of rows
+                    xla              all                 0         the blocks dequantized in the forward + dot
     attention       kernel           cpu                 100       C++ prefix_attention; auto: <= 128 new tokens;
                                                                    no sliding window
                     xla              all                 0         prefix_tree_attention (sliding window too)
@@ -21,7 +24,7 @@ kernel is registered) the XLA implementations run, which is the Neuron policy's 
 from __future__ import annotations
 
 from specjax.backends.ops import define_op, register
-from specjax.kernels import cpu_attention, cpu_kv_write, cpu_matmul, cpu_quant_matmul, xla
+from specjax.kernels import cpu_attention, cpu_kv_write, cpu_matmul, cpu_quant_matmul, gguf_matmul, xla
 
 KERNEL = 100  # a kernel wins over XLA wherever it is supported and preferred
 
@@ -35,6 +38,12 @@ define_op("quant_matmul", "quant_matmul(x [..., K], codes, scale, minimum, *, ki
 register("quant_matmul", "xla", cpu_quant_matmul.xla_quant_matmul)
 register("quant_matmul", "kernel", cpu_quant_matmul.kernel_quant_matmul, ("cpu",), cpu_quant_matmul.is_supported,
          priority=KERNEL, custom_call=True, needs_build=("quantized matmul", "XLA's dot on dequantized weights"))
+
+define_op("gguf_matmul", "gguf_matmul(x [..., K], blocks uint8 [N, row_bytes], *, type_name, out_dtype=None) "
+                         "-> [..., N]")
+register("gguf_matmul", "xla", gguf_matmul.xla_gguf_matmul)
+register("gguf_matmul", "kernel", gguf_matmul.kernel_gguf_matmul, ("cpu",), gguf_matmul.is_supported,
+         priority=KERNEL, custom_call=True, needs_build=("GGUF-block matmul", "XLA's dot on dequantized blocks"))
 
 define_op("attention", "attention(q [B, T, Hq, D], k_cache, v_cache [B, Hkv, S, D], k_new, v_new [B, T, Hkv, D], "
                        "lengths [B], tree_mask [B, T, T], *, scale, positions=None, window=None) -> [B, T, Hq, D]")
@@ -74,7 +83,7 @@ def _triton(q, k, v, lengths, tree_mask, *, scale=None, block_sizes=None, interp
     )
 
 
-def _triton_supported(q, k, v, lengths, tree_mask) -> bool:
+def _triton_supported(q, k, v, lengths, tree_mask, **options) -> bool:
     from specjax.kernels.pallas.tree_attention_gpu import is_supported
 
     return is_supported(q, k, v, lengths, tree_mask)
@@ -86,7 +95,7 @@ def _tpu(q, k, v, lengths, tree_mask, *, scale=None, block_sizes=None, interpret
     return tree_attention_tpu(q, k, v, lengths, tree_mask, scale=scale, block_sizes=block_sizes, interpret=interpret)
 
 
-def _tpu_supported(q, k, v, lengths, tree_mask) -> bool:
+def _tpu_supported(q, k, v, lengths, tree_mask, **options) -> bool:
     from specjax.kernels.pallas.tree_attention_tpu import is_supported
 
     return is_supported(q, k, v, lengths, tree_mask)

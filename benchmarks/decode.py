@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels import cpu_attention, cpu_matmul
+from specjax.backends import ops
+from specjax.kernels import cpu_build
 
 PROMPTS = [
     "Explain how a rainbow forms.", "Write a short poem about autumn leaves.",
@@ -120,10 +121,10 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat every measurement (bandwidth, specjax, transformers) this many times, in turn")
-    ap.add_argument("--cpu-matmul", nargs="+", default=None, choices=cpu_matmul.MODES,
-                    help="run specjax under each SPECJAX_CPU_MATMUL policy in turn (default: the current one)")
-    ap.add_argument("--cpu-attention", nargs="+", default=None, choices=cpu_attention.MODES,
-                    help="and under each SPECJAX_CPU_ATTENTION policy (default: the current one)")
+    ap.add_argument("--cpu-matmul", nargs="+", default=None, choices=("auto", "kernel", "xla"),
+                    help="run specjax under each SPECJAX_KERNELS matmul= choice in turn (default: the current one)")
+    ap.add_argument("--cpu-attention", nargs="+", default=None, choices=("auto", "kernel", "xla"),
+                    help="and under each SPECJAX_KERNELS attention= choice (default: the current one)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -131,8 +132,8 @@ def main(argv=None):
 
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__} on {jax.default_backend()}")
     rows, bws = [], []
-    policies = [(m, a) for m in args.cpu_matmul or [cpu_matmul.mode()]
-                for a in args.cpu_attention or [cpu_attention.mode()]]
+    policies = [(m, a) for m in args.cpu_matmul or [ops.override("matmul")]
+                for a in args.cpu_attention or [ops.override("attention")]]
     llms = {}
     for rnd in range(args.rounds):
         # Each round measures the bandwidth, every specjax configuration and transformers again: this machine's
@@ -141,13 +142,13 @@ def main(argv=None):
         bws.append(bw)
         print(f"round {rnd + 1}/{args.rounds}: measured copy bandwidth {bw / 1e9:.1f} GB/s")
         for mm, att in policies:
-            # The policies are read when a function is traced: drop every traced function before switching them.
-            os.environ[cpu_matmul.ENV_MODE] = mm
-            os.environ[cpu_attention.ENV_MODE] = att
+            # The table chooses when a function is traced: drop every traced function before switching.
+            others = {k: v for k, v in ops.overrides().items() if k not in ("matmul", "attention")}
+            os.environ[ops.ENV] = ",".join(f"{k}={v}" for k, v in {**others, "matmul": mm, "attention": att}.items())
             jax.clear_caches()
             policy = f"matmul {mm}, attention {att}"
-            kernel = f" (kernels {'built' if cpu_matmul.available() else 'unavailable'})"
-            print(f"SPECJAX_CPU_MATMUL={mm} SPECJAX_CPU_ATTENTION={att}{kernel}")
+            kernel = f" (kernels {'built' if cpu_build.available() else 'unavailable'})"
+            print(f"{ops.ENV}={os.environ[ops.ENV]}{kernel}")
             for dtype in args.dtypes:
                 llm = llms.get(dtype) or llms.setdefault(dtype, LLM(args.model, dtype=dtype))
                 wb = weight_bytes(llm.params)

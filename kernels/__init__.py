@@ -4,9 +4,11 @@ The jnp reference and the LSE-merge fallback are imported here; the Pallas kerne
 `specjax.kernels.pallas.tree_attention_gpu` (Triton) and `specjax.kernels.pallas.tree_attention_tpu` (Mosaic) and
 are normally reached through `specjax.backends.get_attention`.
 
-On the CPU platform the model calls two C++ kernels (XLA FFI, compiled on first use by `specjax.kernels.cpu_build`):
-`specjax.kernels.cpu_matmul` for the few-row products of decoding and verification, and
-`specjax.kernels.cpu_attention` for the attention of decode and verify blocks over the committed KV cache.
+Every implementation of every op the model runs lives here; which one runs is the kernel table's choice
+(`specjax.backends.ops`, docs/kernels.md). `specjax.kernels.xla` holds XLA's projection and decode/verify attention;
+the C++ CPU kernels (XLA FFI, compiled on first use by `specjax.kernels.cpu_build`) are `cpu_matmul` (few-row
+products), `cpu_quant_matmul` (weight-only quantized products), `cpu_attention` (decode and verify attention over
+the committed KV cache) and `cpu_kv_write` (in-place cache writes).
 """
 from specjax.kernels.lse_merge import tree_attention_lse_merge
 from specjax.kernels.reference import (

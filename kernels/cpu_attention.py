@@ -150,10 +150,9 @@ prefix_attention.__doc__ = """Attention of T new tokens over the committed cache
 
 q [B, T, Hq, D]; k_cache/v_cache [B, Hkv, S, D] float32 or bfloat16, slots s < lengths[b] visible to every new
 token; k_new/v_new [B, T, Hkv, D] (not yet in the cache; attended to as the cache will hold them, `as_cached`);
-lengths [B] int; tree_mask [B, T, T] bool; scale
-(static) -> [B, T, Hq, D] float32. Jitted entry point for direct use; the model goes through the op table (op `attention`). No donation: the
-cache is only read. Raises PrefixAttentionInputError on bad shapes or dtypes, KernelBuildError without a compiler.
-CPU platform only."""
+lengths [B] int; tree_mask [B, T, T] bool; scale (static) -> [B, T, Hq, D] float32. Jitted entry point for direct
+use; the model goes through the op table (op `attention`). No donation: the cache is only read. Raises
+PrefixAttentionInputError on bad shapes or dtypes, KernelBuildError without a compiler. CPU platform only."""
 
 
 def is_supported(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, *, scale=None, positions=None,

@@ -31,14 +31,12 @@ from specjax.errors import SpecjaxError
 SOURCE_DIR = pathlib.Path(__file__).with_name("cpu")
 # Compiled together into one library; tiles.h (included by both) is part of the cache key.
 SOURCES = (SOURCE_DIR / "small_matmul.cc", SOURCE_DIR / "prefix_attention.cc", SOURCE_DIR / "quant_matmul.cc",
-           SOURCE_DIR / "kv_write.cc")
+           SOURCE_DIR / "kv_write.cc", SOURCE_DIR / "gguf_matmul.cc")
 HEADERS = (SOURCE_DIR / "tiles.h",)
 # FFI target name -> exported handler symbol.
 TARGETS = {"specjax_small_matmul": "SpecjaxSmallMatmul", "specjax_prefix_attention": "SpecjaxPrefixAttention",
-           "specjax_quant_matmul": "SpecjaxQuantMatmul", "specjax_kv_write": "SpecjaxKvWrite"}
-
-
-MODES = ("auto", "kernel", "xla")
+           "specjax_quant_matmul": "SpecjaxQuantMatmul", "specjax_kv_write": "SpecjaxKvWrite",
+           "specjax_gguf_matmul": "SpecjaxGgufMatmul"}
 
 
 _TRACING = threading.local()
@@ -46,12 +44,13 @@ _TRACING = threading.local()
 
 @contextlib.contextmanager
 def row_invariant():
-    """Products and attention traced inside take the CPU kernels in `auto` mode whatever their number of rows or
-    tokens: a row's result then does not depend on the rows it shares a call with. Greedy speculation needs that:
-    a verify block (a tree of 33 nodes at batch 4 is 132 rows) must give each token the bits of the one-token
-    plain step, which a switch to XLA's dot above the row limits breaks; in bfloat16 those last bits flip real
-    tokens. The engines trace their decode and verify steps inside it; prefill, which plain and speculative
-    decoding share, does not need it. Read at trace time, like the modes."""
+    """Products and attention traced inside take the CPU kernels under `auto` whatever their number of rows or
+    tokens (the kernel table's `prefers` conditions read it): a row's result then does not depend on the rows it
+    shares a call with. Greedy speculation needs that: a verify block (a tree of 33 nodes at batch 4 is 132 rows)
+    must give each token the bits of the one-token plain step, which a switch to XLA's dot above the row limits
+    breaks; in bfloat16 those last bits flip real tokens. The engines trace their decode and verify steps inside
+    it; prefill, which plain and speculative decoding share, does not need it. Read at trace time, like
+    SPECJAX_KERNELS."""
     depth = getattr(_TRACING, "row_invariant", 0)
     _TRACING.row_invariant = depth + 1
     try:
@@ -63,15 +62,6 @@ def row_invariant():
 def in_row_invariant() -> bool:
     """Whether the function being traced is inside `row_invariant()`."""
     return bool(getattr(_TRACING, "row_invariant", 0))
-
-
-def env_mode(variable: str) -> str:
-    """A kernel policy from the environment variable `variable` ('auto' when unset): auto, kernel or xla. An
-    unknown value is an error naming the valid ones."""
-    value = os.environ.get(variable, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"{variable}={value!r} is not one of {', '.join(MODES)}")
-    return value
 
 
 class KernelBuildError(SpecjaxError, RuntimeError):
@@ -166,5 +156,5 @@ def warn_unavailable(what: str, fallback: str) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["KernelBuildError", "MODES", "SOURCES", "TARGETS", "available", "build_key", "cache_dir", "env_mode",
+__all__ = ["KernelBuildError", "SOURCES", "TARGETS", "available", "build_key", "cache_dir",
            "in_row_invariant", "library_path", "row_invariant", "unavailable_reason", "warn_unavailable"]

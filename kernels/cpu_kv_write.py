@@ -110,9 +110,9 @@ def _kv_write(cache, new, lengths):
 kv_write = jax.jit(_kv_write, donate_argnums=(0,))
 kv_write.__doc__ = """cache [B, H, S, D] with new [B, T, H, D] written at slots lengths[b] + t through the C++ kernel.
 
-Jitted entry point for direct use, the cache donated (written in place); models go through the op table (op `kv_write`). Slots outside
-[0, S) are dropped. Raises KvWriteInputError on bad shapes or dtypes, KernelBuildError without a compiler. CPU
-platform only."""
+Jitted entry point for direct use, the cache donated (written in place); models go through the op table (op
+`kv_write`). Slots outside [0, S) are dropped. Raises KvWriteInputError on bad shapes or dtypes, KernelBuildError
+without a compiler. CPU platform only."""
 
 
 def is_supported(cache, new, lengths) -> bool:

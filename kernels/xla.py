@@ -32,9 +32,10 @@ def prefix_tree_attention(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask,
     q [B, T, Hq, D]; k_cache/v_cache [B, Hkv, S, D], of which slots s < lengths[b] are visible to every new
     token; k_new/v_new [B, T, Hkv, D]; tree_mask [B, T, T] bool (which new tokens each new token sees)
     -> [B, T, Hq, D]. The same result as writing the new K/V at [lengths, lengths + T) and calling
-    `specjax.models.llama.reference_attention` with `llama.dense_mask`, but the cache is only read, as the left operand of both products:
-    XLA:CPU then streams it once instead of materialising a transposed or updated copy of it (the write, after
-    the layer's attention, is an in-place update nothing else reads). One softmax over both parts.
+    `specjax.models.llama.reference_attention` with `llama.dense_mask`, but the cache is only read, as the left
+    operand of both products: XLA:CPU then streams it once instead of materialising a transposed or updated copy
+    of it (the write, after the layer's attention, is an in-place update nothing else reads). One softmax over
+    both parts.
     window: a sliding window W (with positions [B, T], the new tokens' RoPE positions): a new token at position p
     sees only keys at positions > p - W, where committed slot s holds position s (prompts are right-padded, so
     slot and position agree) and new token j position positions[b, j]. None = no window.

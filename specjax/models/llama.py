@@ -319,7 +319,8 @@ def forward(
     hidden_layers: indices (negative allowed) of layers whose output (residual stream) is returned in `layer_hidden`.
     logit_positions [B, K] int32: compute logits only at these of the T positions (prefill needs one).
     attention_fn: a named verify-attention implementation (q, k, v, lengths, tree_mask, scale=) from the backend
-    registry; None = the kernel table's op `attention` (see `attention`). Not jitted here: callers jit their entry points.
+    registry; None = the kernel table's op `attention` (see `attention`). Not jitted here: callers jit their entry
+    points.
     write_cache: False leaves the cache as it is (the default attention path reads only its committed slots and
     takes the new tokens apart) and the caller writes `new_kv` where it wants them; see `spec_engine.spec_step`,
     where writing inside a `lax.cond` branch made XLA copy the whole cache.

@@ -341,19 +341,11 @@ def profile_figures(draft: float, verify: float, steps: int, new_tokens: int, re
             "draft_ms_per_step": 1000 * draft / steps if steps else 0.0, "lossy": lossy}
 
 
-def _cpu_kernel_mode(module) -> str:
-    """A CPU kernel module's policy and whether the kernels are built ('auto (kernel built)', 'xla', ...)."""
-    m = module.mode()
-    if m == "xla":
-        return m
-    return f"{m} (kernel {'built' if module.available() else 'unavailable: ' + module.unavailable_reason()})"
-
-
 def environment(llm) -> dict:
     import jax
 
     import specjax
-    from specjax.kernels import cpu_attention, cpu_kv_write, cpu_matmul
+    from specjax.backends import ops
 
     return {"specjax": specjax.__version__, "jax": jax.__version__, "platform": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "machine": platform.machine(), "cpus": os.cpu_count(),
@@ -361,6 +353,6 @@ def environment(llm) -> dict:
             "quantization": getattr(llm, "quantization", None),
             "quantized_lm_head": getattr(llm, "quantized_lm_head", False), "kv_cache_dtype": getattr(llm, "kv_cache_dtype", None),
             "attention_impl": llm.attention_impl, "backend": llm.backend,
-            "cpu_matmul": _cpu_kernel_mode(cpu_matmul), "cpu_attention": _cpu_kernel_mode(cpu_attention),
-            "cpu_kv_write": _cpu_kernel_mode(cpu_kv_write),
+            "cpu_matmul": ops.policy("matmul"), "cpu_attention": ops.policy("attention"),
+            "cpu_kv_write": ops.policy("kv_write"), "quant_matmul": ops.policy("quant_matmul"),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -11,7 +11,9 @@ import spec_helpers as sh
 from helpers import fresh_cache, tiny_config, tiny_params
 from specjax.kernels import cpu_attention as ca
 from specjax.kernels import cpu_build as cb
-from specjax.models.llama import forward, fuse_projections, prefix_tree_attention
+from specjax.backends import ops
+from specjax.kernels.xla import prefix_tree_attention
+from specjax.models.llama import forward, fuse_projections
 
 pytestmark = [pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel"),
               pytest.mark.skipif(not cb.available(), reason=f"kernel unavailable here: {cb.unavailable_reason()}")]
@@ -19,8 +21,8 @@ pytestmark = [pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU k
 
 @pytest.fixture
 def mode(kernel_policy):
-    """Sets SPECJAX_CPU_ATTENTION for one test (see conftest.kernel_policy)."""
-    return lambda value: kernel_policy(ca.ENV_MODE, value)
+    """Sets SPECJAX_KERNELS=attention=<value> for one test (see conftest.kernel_policy)."""
+    return lambda value: kernel_policy("attention", value)
 
 
 def _inputs(B, T, Hq, Hkv, S, D, lengths, cache_dtype=jnp.float32, tree=True, seed=0):
@@ -154,6 +156,11 @@ def test_vmap_runs_the_kernel_per_element():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+def _uses_kernel(*args) -> bool:
+    """Whether the kernel table gives this attention the kernel here (the choice a traced forward makes)."""
+    return ops.select("attention", *args, scale=0.25).name == "kernel"
+
+
 def _shapes(**change):
     s = dict(q=(2, 3, 8, 16), k_cache=(2, 4, 32, 16), v_cache=(2, 4, 32, 16), k_new=(2, 3, 4, 16),
              v_new=(2, 3, 4, 16), lengths=(2,), tree_mask=(2, 3, 3))
@@ -188,23 +195,24 @@ def test_policy(monkeypatch):
     small, big = _shapes(), _shapes(q=(1, 200, 8, 16), k_new=(1, 200, 4, 16), v_new=(1, 200, 4, 16),
                                     k_cache=(1, 4, 32, 16), v_cache=(1, 4, 32, 16), lengths=(1,),
                                     tree_mask=(1, 200, 200))
-    monkeypatch.setenv(ca.ENV_MODE, "auto")
-    assert ca.use_kernel(*small) and not ca.use_kernel(*big)  # prefill chunks above 128 tokens stay with XLA
-    assert not ca.use_kernel(*_shapes(k_cache=jnp.float16, v_cache=jnp.float16))
-    monkeypatch.setenv(ca.ENV_MODE, "kernel")
-    assert ca.use_kernel(*big)
-    monkeypatch.setenv(ca.ENV_MODE, "xla")
-    assert not ca.use_kernel(*small)
-    monkeypatch.setenv(ca.ENV_MODE, "fastest")
-    with pytest.raises(ValueError, match="SPECJAX_CPU_ATTENTION='fastest' is not one of auto, kernel, xla"):
-        ca.use_kernel(*small)
+    monkeypatch.setenv(ops.ENV, "attention=auto")
+    assert _uses_kernel(*small) and not _uses_kernel(*big)  # prefill chunks above 128 tokens stay with XLA
+    assert not _uses_kernel(*_shapes(k_cache=jnp.float16, v_cache=jnp.float16))
+    monkeypatch.setenv(ops.ENV, "attention=kernel")
+    assert _uses_kernel(*big)
+    monkeypatch.setenv(ops.ENV, "attention=xla")
+    assert not _uses_kernel(*small)
+    monkeypatch.setenv(ops.ENV, "atention=kernel")
+    with pytest.raises(ops.KernelSelectionError, match="unknown op 'atention' in SPECJAX_KERNELS; did you mean "
+                                                       "'attention'"):
+        _uses_kernel(*small)
 
 
 def test_unavailable_kernel_falls_back_with_one_warning(monkeypatch, kernels_unbuildable):
-    monkeypatch.setenv(ca.ENV_MODE, "kernel")
+    monkeypatch.setenv(ops.ENV, "attention=kernel")
     q, kc, vc, kn, vn, L, tm = _inputs(1, 2, 4, 2, 40, 16, [10])
     with pytest.warns(RuntimeWarning, match="attention kernel unavailable, using XLA's attention instead: no C"):
-        y = ca.attention(q, kc, vc, kn, vn, L, tm, scale=0.25, fallback=prefix_tree_attention)
+        y = ops.call("attention", q, kc, vc, kn, vn, L, tm, scale=0.25)
     np.testing.assert_allclose(np.asarray(y), np.asarray(prefix_tree_attention(q, kc, vc, kn, vn, L, tm, 0.25)))
     with pytest.raises(ca.KernelBuildError, match="unavailable: no C\\+\\+ compiler"):
         ca._prefix_attention(q, kc, vc, kn, vn, L, tm, 0.25)

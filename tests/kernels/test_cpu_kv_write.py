@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import fresh_cache, tiny_config, tiny_params
+from specjax.backends import ops
 from specjax.kernels import cpu_build as cb
 from specjax.kernels import cpu_kv_write as kw
 from specjax.kv_cache import write_kv
@@ -22,8 +23,18 @@ pytestmark = [pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU k
 
 @pytest.fixture
 def mode(kernel_policy):
-    """Sets SPECJAX_CPU_KV_WRITE for one test (see conftest.kernel_policy)."""
-    return lambda value: kernel_policy(kw.ENV_MODE, value)
+    """Sets SPECJAX_KERNELS=kv_write=<value> for one test (see conftest.kernel_policy)."""
+    return lambda value: kernel_policy("kv_write", value)
+
+
+def _uses_kernel(cache, new, lengths) -> bool:
+    """Whether the kernel table gives this write the kernel here (the choice a traced forward makes)."""
+    return ops.select("kv_write", cache, new, lengths).name == "kernel"
+
+
+def _write(cache, new, lengths):
+    """What `kv_cache.write_kv` does for one array: the op kv_write, new cast to the cache's dtype."""
+    return ops.call("kv_write", cache, new.astype(cache.dtype), lengths)
 
 
 def _inputs(B, T, H, S, D, lengths, dtype, seed=0):
@@ -91,9 +102,9 @@ def test_a_bfloat16_layer_is_written_in_place_where_xlas_scatter_rewrites_it(mod
     # layer on every step. If a later XLA writes bfloat16 in place itself, the first assertion fails and the
     # kernel can go.
     mode("xla")
-    assert _whole_layer_ops(_decode_loop_hlo(kw.write, jnp.bfloat16)) > 0
+    assert _whole_layer_ops(_decode_loop_hlo(_write, jnp.bfloat16)) > 0
     mode("auto")
-    hlo = _decode_loop_hlo(kw.write, jnp.bfloat16)
+    hlo = _decode_loop_hlo(_write, jnp.bfloat16)
     assert "specjax_kv_write" in hlo
     assert _whole_layer_ops(hlo) == 0
 
@@ -104,7 +115,7 @@ def test_the_loop_gives_the_same_bits_either_way(mode):
 
     def run():
         def body(i, cache):
-            return kw.write(cache, (x * (i + 1)).astype(cache.dtype), jnp.asarray([i, 2 * i], jnp.int32))
+            return _write(cache, (x * (i + 1)).astype(cache.dtype), jnp.asarray([i, 2 * i], jnp.int32))
         return np.asarray(jax.jit(lambda c: jax.lax.fori_loop(0, 12, body, c))(jnp.zeros((B, H, S, D), jnp.bfloat16)))
 
     mode("xla")
@@ -140,7 +151,7 @@ def test_gradients_equal_the_references(mode):
         return lambda c, n: jnp.sum(jnp.sin(write(c, n, L)) * w)
 
     mode("kernel")
-    got = jax.grad(loss(kw.write), argnums=(0, 1))(cache, new)
+    got = jax.grad(loss(_write), argnums=(0, 1))(cache, new)
     want = jax.grad(loss(kw.kv_write_reference), argnums=(0, 1))(cache, new)
     for g, x in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
@@ -174,23 +185,23 @@ def test_validator_names_the_problem(change, message):
 
 def test_policy(monkeypatch):
     bf16, f32 = _shapes(), _shapes(cache=jnp.float32, new=jnp.float32)
-    monkeypatch.setenv(kw.ENV_MODE, "auto")
-    assert kw.use_kernel(*bf16) and kw.use_kernel(*_shapes(cache=jnp.float16, new=jnp.float16))
-    assert not kw.use_kernel(*f32)  # XLA already writes float32 in place
-    monkeypatch.setenv(kw.ENV_MODE, "kernel")
-    assert kw.use_kernel(*f32)
-    monkeypatch.setenv(kw.ENV_MODE, "xla")
-    assert not kw.use_kernel(*bf16)
-    monkeypatch.setenv(kw.ENV_MODE, "fastest")
-    with pytest.raises(ValueError, match="SPECJAX_CPU_KV_WRITE='fastest' is not one of auto, kernel, xla"):
-        kw.use_kernel(*bf16)
+    monkeypatch.setenv(ops.ENV, "kv_write=auto")
+    assert _uses_kernel(*bf16) and _uses_kernel(*_shapes(cache=jnp.float16, new=jnp.float16))
+    assert not _uses_kernel(*f32)  # XLA already writes float32 in place
+    monkeypatch.setenv(ops.ENV, "kv_write=kernel")
+    assert _uses_kernel(*f32)
+    monkeypatch.setenv(ops.ENV, "kv_write=xla")
+    assert not _uses_kernel(*bf16)
+    monkeypatch.setenv(ops.ENV, "kv_write")
+    with pytest.raises(ops.KernelSelectionError, match="'kv_write' is not op=implementation"):
+        _uses_kernel(*bf16)
 
 
 def test_unavailable_kernel_falls_back_with_one_warning(monkeypatch, kernels_unbuildable):
-    monkeypatch.setenv(kw.ENV_MODE, "auto")
+    monkeypatch.setenv(ops.ENV, "kv_write=auto")
     cache, new, L = _inputs(1, 2, 2, 8, 4, [3], jnp.bfloat16)
     with pytest.warns(RuntimeWarning, match="KV-cache write kernel unavailable, using XLA's scatter instead"):
-        got = kw.write(cache, new, L)
+        got = _write(cache, new, L)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
                                   np.asarray(kw.kv_write_reference(cache, new, L)).view(np.uint16))
     with pytest.raises(kw.KernelBuildError, match="unavailable: no C\\+\\+ compiler"):

@@ -9,6 +9,7 @@ import pytest
 
 import spec_helpers as sh
 from helpers import fresh_cache, tiny_config, tiny_params
+from specjax.backends import ops
 from specjax.kernels import cpu_build as cb
 from specjax.kernels import cpu_matmul as cm
 from specjax.models.llama import forward, fuse_projections
@@ -19,8 +20,17 @@ pytestmark = [pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU k
 
 @pytest.fixture
 def mode(kernel_policy):
-    """Sets SPECJAX_CPU_MATMUL for one test (see conftest.kernel_policy)."""
-    return lambda value: kernel_policy(cm.ENV_MODE, value)
+    """Sets SPECJAX_KERNELS=matmul=<value> for one test (see conftest.kernel_policy)."""
+    return lambda value: kernel_policy("matmul", value)
+
+
+def _uses_kernel(x, w) -> bool:
+    """Whether the kernel table gives this product the kernel here (the choice a traced forward makes)."""
+    return ops.select("matmul", x, w).name == "kernel"
+
+
+def _matmul(x, w, **options):
+    return ops.call("matmul", x, w, **options)
 
 
 def _inputs(lead, K, N, wdtype, seed=0):
@@ -85,42 +95,43 @@ def test_validator_rejects_integer_x():
 def test_policy(monkeypatch):
     f32, bf16 = jnp.float32, jnp.bfloat16
     sds = jax.ShapeDtypeStruct
-    monkeypatch.setenv(cm.ENV_MODE, "auto")
-    assert cm.use_kernel(sds((1, 1, 64), f32), sds((32, 64), f32))          # a one-token step
-    assert not cm.use_kernel(sds((0, 64), f32), sds((32, 64), f32))          # nothing to compute
-    assert cm.use_kernel(sds((1, 5, 64), f32), sds((32, 64), f32))
-    assert cm.use_kernel(sds((8, 2, 64), f32), sds((32, 64), f32))          # 16 rows
-    assert not cm.use_kernel(sds((1, 17, 64), f32), sds((32, 64), f32))
-    assert cm.use_kernel(sds((1, 1, 64), f32), sds((32, 64), bf16))
-    assert cm.use_kernel(sds((64, 64), f32), sds((32, 64), bf16))
-    assert not cm.use_kernel(sds((65, 64), f32), sds((32, 64), bf16))
-    assert not cm.use_kernel(sds((4, 64), f32), sds((32, 64), jnp.float16))  # unsupported -> XLA, no error
+    monkeypatch.setenv(ops.ENV, "matmul=auto")
+    assert _uses_kernel(sds((1, 1, 64), f32), sds((32, 64), f32))          # a one-token step
+    assert not _uses_kernel(sds((0, 64), f32), sds((32, 64), f32))          # nothing to compute
+    assert _uses_kernel(sds((1, 5, 64), f32), sds((32, 64), f32))
+    assert _uses_kernel(sds((8, 2, 64), f32), sds((32, 64), f32))          # 16 rows
+    assert not _uses_kernel(sds((1, 17, 64), f32), sds((32, 64), f32))
+    assert _uses_kernel(sds((1, 1, 64), f32), sds((32, 64), bf16))
+    assert _uses_kernel(sds((64, 64), f32), sds((32, 64), bf16))
+    assert not _uses_kernel(sds((65, 64), f32), sds((32, 64), bf16))
+    assert not _uses_kernel(sds((4, 64), f32), sds((32, 64), jnp.float16))  # unsupported -> XLA, no error
     with cm.row_invariant():  # decode and verify steps: one path whatever the row count
-        assert cm.use_kernel(sds((4, 33, 64), f32), sds((32, 64), f32))
-        assert cm.use_kernel(sds((4, 33, 64), f32), sds((32, 64), bf16))
+        assert _uses_kernel(sds((4, 33, 64), f32), sds((32, 64), f32))
+        assert _uses_kernel(sds((4, 33, 64), f32), sds((32, 64), bf16))
         with cm.row_invariant():
             pass
-        assert cm.use_kernel(sds((1, 17, 64), f32), sds((32, 64), f32))
-        assert not cm.use_kernel(sds((4, 64), f32), sds((32, 64), jnp.float16))
-    assert not cm.use_kernel(sds((1, 17, 64), f32), sds((32, 64), f32))
-    monkeypatch.setenv(cm.ENV_MODE, "xla")
+        assert _uses_kernel(sds((1, 17, 64), f32), sds((32, 64), f32))
+        assert not _uses_kernel(sds((4, 64), f32), sds((32, 64), jnp.float16))
+    assert not _uses_kernel(sds((1, 17, 64), f32), sds((32, 64), f32))
+    monkeypatch.setenv(ops.ENV, "matmul=xla")
     with cm.row_invariant():
-        assert not cm.use_kernel(sds((1, 64), f32), sds((32, 64), f32))
-    monkeypatch.setenv(cm.ENV_MODE, "kernel")
-    assert cm.use_kernel(sds((300, 64), f32), sds((32, 64), f32))
-    monkeypatch.setenv(cm.ENV_MODE, "xla")
-    assert not cm.use_kernel(sds((5, 64), f32), sds((32, 64), f32))
-    monkeypatch.setenv(cm.ENV_MODE, "fast")
-    with pytest.raises(ValueError, match="SPECJAX_CPU_MATMUL='fast' is not one of auto, kernel, xla"):
-        cm.mode()
+        assert not _uses_kernel(sds((1, 64), f32), sds((32, 64), f32))
+    monkeypatch.setenv(ops.ENV, "matmul=kernel")
+    assert _uses_kernel(sds((300, 64), f32), sds((32, 64), f32))
+    monkeypatch.setenv(ops.ENV, "matmul=xla")
+    assert not _uses_kernel(sds((5, 64), f32), sds((32, 64), f32))
+    monkeypatch.setenv(ops.ENV, "matmul=kernal")
+    with pytest.raises(ops.KernelSelectionError, match="unknown implementation 'kernal' of op 'matmul' in "
+                                                       "SPECJAX_KERNELS; did you mean 'kernel'"):
+        _uses_kernel(sds((5, 64), f32), sds((32, 64), f32))
 
 
-def test_matmul_t_keeps_xla_result_dtype(mode):
+def test_matmul_op_keeps_xla_result_dtype(mode):
     mode("kernel")
     x, w = _inputs((3,), 64, 16, jnp.bfloat16)
-    y = cm.matmul_t(x.astype(jnp.bfloat16), w)
+    y = _matmul(x.astype(jnp.bfloat16), w)
     assert y.dtype == jnp.bfloat16
-    assert cm.matmul_t(x, w, out_dtype=jnp.float32).dtype == jnp.float32
+    assert _matmul(x, w, out_dtype=jnp.float32).dtype == jnp.float32
 
 
 def test_gradient_and_vmap_through_the_kernel(mode):
@@ -130,12 +141,12 @@ def test_gradient_and_vmap_through_the_kernel(mode):
     def loss(fn, x, w):
         return jnp.sum(jnp.tanh(fn(x, w)))
 
-    gk = jax.grad(lambda x, w: loss(cm.matmul_t, x, w), argnums=(0, 1))(x, w)
+    gk = jax.grad(lambda x, w: loss(_matmul, x, w), argnums=(0, 1))(x, w)
     gr = jax.grad(lambda x, w: loss(cm.small_matmul_reference, x, w), argnums=(0, 1))(x, w)
     for a, b in zip(gk, gr):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
     xs = jnp.stack([x, 2 * x, -x])
-    got = jax.vmap(lambda x: cm.matmul_t(x, w))(xs)
+    got = jax.vmap(lambda x: _matmul(x, w))(xs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(cm.small_matmul_reference(xs, w)), rtol=1e-5,
                                atol=1e-4)
 
@@ -158,10 +169,10 @@ def test_failed_build_shows_the_compiler_error(monkeypatch, tmp_path):
 
 
 def test_unavailable_kernel_falls_back_with_one_warning(monkeypatch, kernels_unbuildable):
-    monkeypatch.setenv(cm.ENV_MODE, "kernel")
+    monkeypatch.setenv(ops.ENV, "matmul=kernel")
     x, w = _inputs((4,), 32, 8, jnp.float32)
     with pytest.warns(RuntimeWarning, match="unavailable, using XLA's dot instead: no C\\+\\+ compiler"):
-        y = cm.matmul_t(x, w)
+        y = _matmul(x, w)
     np.testing.assert_allclose(np.asarray(y), np.asarray(cm.small_matmul_reference(x, w)), rtol=1e-5, atol=1e-5)
     with pytest.raises(cm.KernelBuildError, match="unavailable: no C\\+\\+ compiler"):
         cm._small_matmul(x, w)
