@@ -271,6 +271,24 @@ def test_malformed_bodies_get_a_clear_counted_400(http, path, body, words, param
     assert grew(before, failures(http)) == {"bad_request": 1}
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "stop": "\\ud800"}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "stop": ["<|im_end|>", "\\udc00x"]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "user": "\\ud800"}'),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "hi"}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": '
+                             b'[{"type": "text", "text": "\\ud800"}]}]}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], '
+                             b'"chat_template_kwargs": {"\\ud800": 1}}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\\u0000<|endoftext|>\\u0000", "max_tokens": 4}'),
+])
+def test_odd_strings_get_an_answer_or_a_clear_400(http, path, body):
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code in (200, 400, 404), r.text[:300]
+    if r.status_code != 200:
+        clear_error(r, r.status_code)
+
+
 def test_seeds_up_to_2_32_are_used_whole(http):
     kw = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
     texts = [http.post("/v1/completions", json=completion("abc", seed=s, **kw)).json()["choices"][0]["text"]
