@@ -1,4 +1,6 @@
-"""specjax backends: per-platform attention selection and compile policies."""
+"""specjax backends: the kernel table (`specjax.backends.ops`: every op's implementations, one selection rule per
+platform and op, the SPECJAX_KERNELS override; rows in `specjax.backends.table`), named verify attention for
+`attention_impl` (`registry`) and per-platform compile policies."""
 from specjax.backends.registry import (
     ATTENTION_NAMES,
     COMPILE_POLICIES,

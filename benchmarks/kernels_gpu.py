@@ -12,7 +12,7 @@ What it measures, in this order (the JSON is written even when a section fails o
      prefix lengths (not multiples of the block) and NaN-poisoned cache slots past each sequence's tree;
      rel. error = max|out - ref| / max|ref|, ref in float32 from the same dtype-rounded inputs, NaN = FAIL;
   4. median time of the Triton kernel, the jitted XLA reference and the model's default attention
-     (`specjax.models.llama.prefix_tree_attention`) for SmolLM2-like and Llama-8B-like heads, with the bandwidth
+     (`specjax.kernels.xla.prefix_tree_attention`) for SmolLM2-like and Llama-8B-like heads, with the bandwidth
      each achieves on the bytes it must read (K/V of prefix + tree, q, out) and its ratio to the copy bandwidth.
 Rows are skipped (and listed) once --budget-s is spent. --smoke uses tiny sizes and the Pallas interpreter.
 """
@@ -37,7 +37,7 @@ import numpy as np
 from specjax.kernels.lse_merge import tree_attention_lse_merge
 from specjax.kernels.pallas.tree_attention_gpu import tree_attention_triton
 from specjax.kernels.reference import tree_attention_reference
-from specjax.models.llama import prefix_tree_attention
+from specjax.kernels.xla import prefix_tree_attention
 from specjax.tree import TreeSpec
 
 HEADS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # name -> (Hq, Hkv, D)

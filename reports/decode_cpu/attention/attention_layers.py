@@ -3,7 +3,7 @@
 """30 layers of SmolLM2's attention alone (9 query heads, 3 KV heads, D = 64), XLA's version against the C++ kernel:
 python reports/decode_cpu/attention/attention_layers.py"""
 import time, numpy as np, jax, jax.numpy as jnp
-from specjax.models.llama import prefix_tree_attention
+from specjax.kernels.xla import prefix_tree_attention
 from specjax.kernels.cpu_attention import prefix_attention
 def kern(q,kc,vc,kn,vn,lengths,tm,scale):
     return prefix_attention(q,kc,vc,kn,vn,lengths,tm,scale=scale)

@@ -14,7 +14,7 @@ def step(p, tok, pos, cache):
     return out.logits, out.cache
 fs={}
 for m in ("xla","kernel"):
-    os.environ["SPECJAX_CPU_ATTENTION"]=m
+    os.environ["SPECJAX_KERNELS"]=f"attention={m}"
     jax.clear_caches(); f=jax.jit(lambda *a: step(*a), donate_argnums=3)
     for B,T,Ln,S in cases:
         cache=init_cache(c.num_layers,B,S,c.num_kv_heads,c.head_dim, dtype=p["embed"].dtype)

@@ -14,7 +14,7 @@ def make_step():
 shapes=((1,1),(1,2),(1,3),(1,5),(1,8),(1,13),(8,1),(4,5))
 fs={}
 for m in ("xla","auto","kernel"):
-    os.environ["SPECJAX_CPU_MATMUL"]=m
+    os.environ["SPECJAX_KERNELS"]=f"matmul={m}"
     f=jax.jit(make_step(), donate_argnums=3)
     for B,T in shapes:
         cache=init_cache(c.num_layers,B,512,c.num_kv_heads,c.head_dim, dtype=p["embed"].dtype)
