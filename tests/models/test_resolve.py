@@ -407,6 +407,16 @@ def test_hub_misses_offline_are_clear(hub, spec, words):
     assert all(w in msg for w in words) and "\n" not in msg, msg
 
 
+def test_cli_generates_from_a_hub_id(hub, capsys):
+    from specjax.cli.main import main
+
+    assert main(["generate", "--model", "specjax-test/tiny-llama@v2", "-n", "3", "--raw", "--json",
+                 "--set", "sampling.ignore_eos=true", "ab"]) == 0
+    out = capsys.readouterr()
+    assert f"(hf: {hub[1]})" in out.err
+    assert len(json.loads(out.out.strip().splitlines()[-1])["token_ids"]) == 3
+
+
 def test_hf_hub_cache_variable_wins(hub, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
     with pytest.raises(ModelLoadError, match="elsewhere"):
