@@ -363,3 +363,108 @@ def test_config_from_the_file(qwen05_gguf, qwen15_gguf):
         assert cfg.attention_bias
         # Both files store an output.weight of their own, so the head is not the embedding.
         assert "output.weight" in reader.tensors and not cfg.tie_word_embeddings
+
+
+# ------------------------------------------------------------------------------------------------ (d) greedy tokens
+CODE_PROMPTS = [
+    [{"role": "user", "content": "Write a Python function `is_prime(n)` that returns True if n is prime."}],
+    [{"role": "system", "content": "You are a senior C programmer. Answer with code only."},
+     {"role": "user", "content": "Implement strlen without using the standard library."}],
+    [{"role": "user", "content": "Fix the bug:\n```js\nfunction sum(a) {\n\tlet s = 0;\n\tfor (let i = 0; i <= a.length; "
+                                 "i++) s += a[i];\n\treturn s;\n}\n```"}],
+    [{"role": "user", "content": "Explain what this does:\n```python\nprint([x * x for x in range(10) if x % 2])\n```"}],
+]
+LOGIT_TOL = 1e-3
+
+
+def _transformers_reference(path: str, new_tokens: int) -> dict:
+    """Greedy tokens and every position's logits of transformers' float32 model read from the GGUF, plus the facts
+    of its config and weights the specjax side is checked against. The model is freed before returning, so the two
+    float32 copies of the model are never in memory together."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # a fixed number of tokens: eos is just another token here
+    cfg = model.config
+    attn = model.model.layers[0].self_attn
+    ref = {"config": (cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta,
+                      cfg.rms_norm_eps, cfg.tie_word_embeddings),
+           "bias0": np.concatenate([attn.q_proj.bias.detach().numpy(), attn.k_proj.bias.detach().numpy(),
+                                    attn.v_proj.bias.detach().numpy()]),
+           "head_rows": model.lm_head.weight[:64].detach().numpy().copy(),
+           "embed_rows": model.model.embed_tokens.weight[:64].detach().numpy().copy(),
+           "prompts": [], "tokens": [], "logits": [], "gaps": []}
+    for messages in CODE_PROMPTS:
+        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=ENDOFTEXT,
+                                 output_logits=True, return_dict_in_generate=True)
+            seq = out.sequences[0]
+            logits = model(seq[None]).logits[0].float().numpy()
+        top2 = [torch.topk(step[0].float(), 2).values for step in out.logits]
+        ref["prompts"].append(ids)
+        ref["tokens"].append(seq[len(ids):].tolist())
+        ref["logits"].append(logits)
+        ref["gaps"].append([float(t[0] - t[1]) for t in top2])
+    del model, tok
+    gc.collect()
+    return ref
+
+
+def _greedy_parity(path: str, new_tokens: int) -> None:
+    from helpers import full_logits
+    from specjax.api import LLM
+    from specjax.config import SamplingParams
+
+    require_transformers()
+    ref = _transformers_reference(path, new_tokens)
+    assert ref["config"][0] == 1e6 and ref["config"][1] == pytest.approx(1e-6, rel=1e-6) and not ref["config"][2]
+
+    llm = LLM(path, dtype="float32")  # quantization None: the GGUF dequantized, as transformers reads it
+    cfg = llm.config
+    assert (cfg.rope_theta, cfg.attention_bias, cfg.tie_word_embeddings) == (1e6, True, False)
+    assert cfg.rms_norm_eps == pytest.approx(ref["config"][1], rel=1e-6)
+    # q/k/v biases of layer 0, the untied head and the embedding: the same numbers as transformers loaded.
+    assert np.array_equal(np.asarray(llm.params["layers"][0]["bqkv"]), ref["bias0"]) and np.abs(ref["bias0"]).max() > 0
+    assert np.array_equal(np.asarray(llm.params["lm_head"][:, :64]).T, ref["head_rows"])
+    assert np.array_equal(np.asarray(llm.params["embed"][:64]), ref["embed_rows"])
+    assert not np.array_equal(ref["head_rows"], ref["embed_rows"])
+
+    outs = llm.generate(CODE_PROMPTS, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    failures, ties, worst = [], [], 0.0
+    for i, out in enumerate(outs):
+        assert list(out.prompt_token_ids) == ref["prompts"][i]
+        theirs = ref["tokens"][i]
+        assert len(out.token_ids) == len(theirs) == new_tokens
+        sequence = ref["prompts"][i] + theirs
+        err = float(np.abs(full_logits(llm.params, cfg, sequence) - ref["logits"][i]).max())
+        worst = max(worst, err)
+        diff = next((j for j, (a, b) in enumerate(zip(out.token_ids, theirs)) if a != b), None)
+        print(f"\n[parity] {os.path.basename(path)} prompt {i}: {len(ref['prompts'][i])} + {new_tokens} tokens, "
+              f"max abs logit difference {err:.2e}, smallest top-2 gap {min(ref['gaps'][i]):.2e}, "
+              f"first token difference {diff}")
+        if diff is not None:
+            gap = ref["gaps"][i][diff]
+            line = (f"prompt {i}: new token {diff}: specjax {out.token_ids[diff]} vs transformers {theirs[diff]}, "
+                    f"transformers' top-2 logit gap {gap:.2e}")
+            (ties if gap < LOGIT_TOL else failures).append(line)
+    print(f"\n[parity] {os.path.basename(path)}: {len(outs) - len(ties) - len(failures)}/{len(outs)} identical, "
+          f"ties {ties}, real divergences {failures}, worst logit difference {worst:.2e}")
+    assert not failures, "; ".join(failures)
+    assert worst < LOGIT_TOL, f"max abs logit difference {worst:.2e} >= {LOGIT_TOL}"
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_qwen05_greedy_equals_transformers(qwen05_gguf):
+    _greedy_parity(qwen05_gguf, new_tokens=40)
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_qwen15_greedy_equals_transformers(qwen15_gguf):
+    _greedy_parity(qwen15_gguf, new_tokens=32)
