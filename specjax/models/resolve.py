@@ -352,6 +352,7 @@ def _installed_version(dist: str) -> str | None:
 
 
 def _part_path(model: PartModel, i: int) -> str | None:
+    """Part i's data file; None where its package is not installed, "" where it is installed without the file."""
     try:
         found = importlib.util.find_spec(model.module.format(i=i))
     except (ImportError, ValueError):

@@ -16,6 +16,7 @@ import numpy as np
 
 from helpers import CHATML, SPECIALS, _byte_chars, hf_tensors, llama_cpp_permute, save_hf_model, tiny_config
 
+from . import parts
 from .formats import parse_gguf
 
 TARGET = dict(vocab_size=264, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -217,4 +218,6 @@ def build(dest: str, real: bool = True) -> list[Entry]:
     entries += _save_heads(dest, rng)
     entries += _save_medusa(dest, rng)
     entries.append(_save_draft(dest, rng))
+    d, part_files = parts.build(dest, rng)
+    entries.append(Entry("parts", "parts", d, part_files))
     return entries

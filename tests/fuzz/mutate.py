@@ -14,10 +14,11 @@ import struct
 
 import hypothesis.strategies as st
 
+from . import parts
 from .formats import (ARRAY, BOOL, F32, F64, I32, I64, KV, STRING, U32, U64, U8, TensorInfo, parse_gguf,
                       parse_safetensors, write_gguf, write_safetensors)
 
-FORMATS = ("gguf", "safetensors", "json", "tokenizer_json", "tokenizer_config")
+FORMATS = ("gguf", "safetensors", "json", "tokenizer_json", "tokenizer_config", *parts.FORMATS)
 
 HOSTILE_INTS = [0, 1, -1, 2, 3, 255, 256, 2**15, 2**16 + 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1,
                 2**63 - 1, 2**63, 2**64 - 1, 2**64 - 64, -(2**31), -(2**63), 10**12]
@@ -385,6 +386,8 @@ def json_mutation(draw, raw: bytes, fmt: str) -> tuple[bytes, str]:
 # ------------------------------------------------------------------------------------------------ entry point
 def mutate(draw, fmt: str, raw: bytes) -> tuple[bytes, list[str]]:
     """One to three mutations: structural ones first (they need a parseable file), then at most one raw one."""
+    if fmt in parts.FORMATS:
+        return parts.mutate(draw, fmt, raw)
     structural = {"gguf": gguf_mutation, "safetensors": safetensors_mutation}.get(
         fmt, lambda d, r: json_mutation(d, r, fmt))
     # Half the inputs get structural mutations only: raw ones mostly stop a file at its first bytes, and the

@@ -83,11 +83,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-real", action="store_true", help="leave out the SmolLM2 header entries")
     ap.add_argument("--workdir", default=None, help="where corpus and inputs go (default: a new temp dir)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
+    ap.add_argument("--entries", nargs="+", default=None, metavar="NAME",
+                    help="fuzz only these corpus entries (e.g. parts); default: all")
     args = ap.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="specjax-fuzz-")
     if args.jobs > 1:
         return _parallel(args, workdir)
     entries = corpus.build(os.path.join(workdir, "corpus"), real=not args.no_real)
+    if args.entries:
+        unknown = set(args.entries) - {e.name for e in entries}
+        if unknown:
+            sys.exit(f"unknown corpus entries {sorted(unknown)}; the corpus has {[e.name for e in entries]}")
+        entries = [e for e in entries if e.name in args.entries]
     inputs = os.path.join(workdir, "inputs")
     os.makedirs(inputs, exist_ok=True)
     limits = Limits(args.timeout, args.mem_mb << 20, args.mem_per_byte)
@@ -120,6 +127,8 @@ def _parallel(args, workdir: str) -> int:
                str(args.mem_per_byte), "--workdir", os.path.join(workdir, f"job{j}"), "--json", out]
         if args.no_real:
             cmd.append("--no-real")
+        if args.entries:
+            cmd += ["--entries", *args.entries]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
     for p in procs:
         p.wait()

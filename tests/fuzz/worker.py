@@ -87,8 +87,14 @@ def _selftest(path: str) -> None:
         os.abort()
 
 
+def _parts(path: str) -> None:
+    from parts import load  # tests/fuzz/parts.py: this script's directory is sys.path[0]
+
+    load(path)
+
+
 TARGETS = {"model": _model, "gguf_tokenizer": _gguf_tokenizer, "head": _head, "medusa": _medusa, "draft": _draft,
-           "selftest": _selftest}
+           "parts": _parts, "selftest": _selftest}
 
 
 def _status_kb(field: str) -> int:
@@ -188,6 +194,7 @@ def main() -> None:
     import specjax.heads.medusa_io  # noqa: F401
     import specjax.models.draft_io  # noqa: F401
     import specjax.models.loading  # noqa: F401
+    import specjax.models.resolve  # noqa: F401
     import specjax.models.tokenizer  # noqa: F401
 
     out = sys.stdout
