@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="candidate draft tree sizes, root excluded (medusa: the first N paths of the heads' default "
                          "tree; eagle/eagle3: total_tokens N at depth min(depth, N)); sizes the method cannot "
                          "build are skipped with a message")
+    tn.add_argument("--p-mins", dest="p_mins", type=float, nargs="*", default=[0.0, 0.3, 0.5, 0.7, 0.9],
+                    help="candidate p_min at the chosen gamma (draft_model; none: not tuned)")
     tn.add_argument("--reps", type=int, default=2, help="timed generations per prompt and setting; each prompt keeps "
                                                         "its fastest (the least disturbed by anything else running)")
     tn.add_argument("--cost-prompts", dest="cost_prompts", type=int, default=3,
@@ -223,7 +225,7 @@ def cmd_tune(args) -> int:
     try:
         result = tune.tune(llm, cfg.speculative, prompts, args.gammas, cfg.sampling.max_new_tokens,
                            validate=not args.no_validate, tree_sizes=args.tree_sizes, reps=args.reps,
-                           num_cost_prompts=args.cost_prompts)
+                           num_cost_prompts=args.cost_prompts, p_mins=args.p_mins)
     except tune.TuneError as e:
         print(f"specjax: error: {e}", file=sys.stderr)
         return 2

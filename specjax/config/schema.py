@@ -247,6 +247,15 @@ class SpeculativeConfig:
     adaptive: per-sequence back-off (`backoff.Adaptive`): a sequence whose accepted tokens per verify step
         stay below the break-even measured on this hardware decodes plainly and probes again later;
         False = always speculate.
+    dtype / quantization (draft_model; vLLM's key name for the latter): how the draft model is loaded, for
+        drafting only (they change the draft's q, never the output): None = the target's dtype / float weights;
+        'gguf' keeps a GGUF draft's blocks as stored (native CPU kernels), 'int8' / 'int4' requantize it.
+    draft_vocab_size (draft_model): restrict the draft's LM head to the N target tokens most frequent in generated
+        text (a ranked id list shipped per tokenizer, `specjax.drafters.draft_vocab`); q is renormalised over them,
+        0 elsewhere, so acceptance stays exact. 0 = the draft's whole vocabulary.
+    p_min (draft_model): stop drafting a row's chain at the first drafted token whose draft probability is below
+        this (llama.cpp's p_min); 0 = always draft num_speculative_tokens. A traced value: changing it compiles
+        nothing.
     """
 
     method: Optional[Literal[SPECULATIVE_METHODS]] = None  # the one list of method names
@@ -266,6 +275,10 @@ class SpeculativeConfig:
     typical_posterior_threshold: float = 0.09
     typical_posterior_alpha: float = 0.3
     adaptive: bool = True
+    dtype: Optional[Literal["float32", "bfloat16"]] = None
+    quantization: Optional[Literal["int8", "int4", "gguf"]] = None
+    draft_vocab_size: int = 0
+    p_min: float = 0.0
 
     def __post_init__(self) -> None:
         normalize(self)
@@ -306,10 +319,26 @@ class SpeculativeConfig:
             _check_tree(self.tree_choices)
         if self.lookup_tokens < 0:
             raise invalid("lookup_tokens", self.lookup_tokens, "must be >= 0 (0 = no lookup branch)")
-        if self.lookup_tokens and self.method not in ("eagle", "eagle3", "medusa"):
+        if self.lookup_tokens and self.method not in ("eagle", "eagle3", "medusa", "draft_model"):
             raise invalid("lookup_tokens", self.lookup_tokens,
-                           f"merges a lookup branch into a head's tree, so it needs method eagle, eagle3 or medusa "
-                           f"(got {self.method!r}); for lookups alone use method 'ngram'")
+                           f"merges a lookup branch into a drafter's proposal, so it needs method eagle, eagle3, "
+                           f"medusa or draft_model (got {self.method!r}); for lookups alone use method 'ngram'")
+        if self.lookup_tokens > MAX_DRAFT_TOKENS:
+            raise invalid("lookup_tokens", self.lookup_tokens, f"must be <= {MAX_DRAFT_TOKENS}")
+        for name in ("dtype", "quantization"):
+            if getattr(self, name) is not None and self.method != "draft_model":
+                raise invalid(name, getattr(self, name), f"sets how a draft model is loaded, so it needs method "
+                                                          f"'draft_model' (got {self.method!r})")
+        if self.draft_vocab_size < 0:
+            raise invalid("draft_vocab_size", self.draft_vocab_size, "must be >= 0 (0 = the whole vocabulary)")
+        if self.draft_vocab_size and self.method != "draft_model":
+            raise invalid("draft_vocab_size", self.draft_vocab_size,
+                           f"trims a draft model's LM head, so it needs method 'draft_model' (got {self.method!r})")
+        if not (math.isfinite(self.p_min) and 0 <= self.p_min < 1):
+            raise invalid("p_min", self.p_min, "must be in [0, 1) (0 = draft every token)")
+        if self.p_min and self.method != "draft_model":
+            raise invalid("p_min", self.p_min,
+                           f"stops a draft model's chain early, so it needs method 'draft_model' (got {self.method!r})")
         if not (0 < self.typical_posterior_threshold <= 1):
             raise invalid("typical_posterior_threshold", self.typical_posterior_threshold, "must be in (0, 1]")
         if not (0 <= self.typical_posterior_alpha <= 1):

@@ -58,10 +58,11 @@ def build_drafter(spec, target_params: dict, target_config, dtype: str = "float3
             f"available: {', '.join(repr(m) for m in SPECULATIVE_METHODS)}")
     built = _with_acceptance(built, spec)
     if spec.lookup_tokens:
-        from specjax.drafters.with_lookup import WithLookup
+        from specjax.drafters.with_lookup import DraftWithLookup, WithLookup
 
         lookup = NgramDrafter(spec.lookup_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        built = WithLookup(built[0], lookup), built[1]
+        merged = DraftWithLookup.around if spec.method == "draft_model" else WithLookup
+        built = merged(built[0], lookup), built[1]
     return built
 
 
@@ -79,23 +80,50 @@ def _with_acceptance(built, spec):
 
 
 def _draft_model(spec, target_params: dict, target_config, dtype: str):
-    from specjax.models.loading import load_model, resolve_model
+    """The draft model of `spec`, loaded as its `dtype` / `quantization` say (default: the target's dtype, float
+    weights), its LM head trimmed to `draft_vocab_size` tokens, its `p_min` in dparams (traced)."""
+    from specjax.models import quant
+    from specjax.models.loading import cast_float_leaves, load_model, resolve_model
 
     path = resolve_draft_path(spec.model)
     cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else None
+    d2t = None
     if cfg_file and "specjax_draft" in pathlib.Path(cfg_file).read_text():
         from specjax.models.draft_io import load_draft
 
+        if spec.quantization == "gguf":
+            raise SpeculativeConfigError(f"draft model {spec.model!r} is a specjax draft directory, not a GGUF file: "
+                                         "quantization 'gguf' keeps a GGUF file's blocks; use 'int8' or 'int4'")
         config, params, d2t = load_draft(path, target_params)
         _check_vocab(spec, config, target_config, "was built for")
-        cast = jax.tree_util.tree_map(lambda a: a.astype(target_params["embed"].dtype), params)
-        dparams = {"params": fuse_projections(cast), "d2t": jnp.asarray(d2t, jnp.int32)}
+        if spec.quantization is None:
+            ddtype = spec.dtype or target_params["embed"].dtype
+            params = fuse_projections(jax.tree_util.tree_map(lambda a: a.astype(ddtype), params))
+        else:
+            fused = fuse_projections(jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), params))
+            # Every matrix, the LM head included: a requantized draft is for drafting only.
+            params = cast_float_leaves(quant.quantize_params(fused, spec.quantization, lm_head=True),
+                                       spec.dtype or str(target_params["embed"].dtype))
     else:
         resolve_model(path)
-        loaded = load_model(path, dtype, with_tokenizer=False)
+        # int8 / int4 requantize every matrix, the LM head included (drafting only); 'gguf' keeps the file's.
+        loaded = load_model(path, spec.dtype or dtype, with_tokenizer=False, quantization=spec.quantization,
+                            quantize_lm_head=True if spec.quantization in ("int8", "int4") else None)
         config = loaded.config
         _check_vocab(spec, config, target_config, "has")
-        dparams = {"params": fuse_projections(loaded.params)}
+        params = fuse_projections(loaded.params)
+    if spec.draft_vocab_size:
+        from specjax.drafters.draft_model import trim_vocab
+        from specjax.drafters.draft_vocab import DraftVocabError, ranked_ids
+
+        try:
+            keep = ranked_ids(target_config.vocab_size, spec.draft_vocab_size)
+        except DraftVocabError as e:
+            raise SpeculativeConfigError(str(e)) from None
+        params, d2t = trim_vocab(params, d2t, keep)
+    dparams = {"params": params, "p_min": jnp.float32(spec.p_min)}
+    if d2t is not None:
+        dparams["d2t"] = jnp.asarray(d2t, jnp.int32)
     return DraftModelDrafter(config, spec.num_speculative_tokens, target_config.vocab_size), dparams
 
 

@@ -9,6 +9,7 @@ every `chunk` steps while streaming (`runners.base.stream_events`): the device l
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -30,8 +31,13 @@ from specjax.runners.base import (SPEC_STREAM_CHUNK, DeviceVariant, chunk_views,
 
 def drafter_for(llm, spec: SpeculativeConfig) -> tuple:
     """(drafter, dparams) for a config, built once per LLM (`llm.runtime`), so repeated calls reuse weights and
-    compilations."""
-    return llm.runtime.drafter(spec, lambda: build_drafter(spec, llm.params, llm.config, llm.dtype))
+    compilations. Configs that differ only in `p_min` share one build: p_min is a traced value in dparams, so
+    the tuner's sweep over it loads no weights and compiles nothing."""
+    base = dataclasses.replace(spec, p_min=0.0) if spec.p_min else spec
+    drafter, dparams = llm.runtime.drafter(base, lambda: build_drafter(base, llm.params, llm.config, llm.dtype))
+    if spec.p_min:
+        dparams = {**dparams, "p_min": jnp.float32(spec.p_min)}
+    return drafter, dparams
 
 
 class SpecVariant(DeviceVariant):
@@ -246,11 +252,27 @@ def _warm_verify_sizes(llm, drafter, dparams, state, sampling) -> None:
         jax.block_until_ready(spec_engine.verify_accept_jit(llm.params, llm.config, t, drafter.mode, copy_, proposal,
                                                             sampling, attention_fn=llm.attention_fn,
                                                             features=drafter.features).dec.num_new)
-    # The plain step too: a warm-up generation that stops at its first token never runs one.
+    # The plain step too: a warm-up generation that stops at its first token never runs one. And the loop of plain
+    # steps a backed-off stretch runs (its step count is traced: one program for every stretch).
     copy_ = jax.tree_util.tree_map(jnp.copy, state)
     jax.block_until_ready(spec_engine.plain_step_jit(llm.params, llm.config, dparams, drafter, copy_, sampling,
                                                      attention_fn=llm.attention_fn).dec.num_new)
+    copy_ = jax.tree_util.tree_map(jnp.copy, state)
+    jax.block_until_ready(spec_engine.plain_steps_jit(llm.params, llm.config, dparams, drafter, copy_, sampling,
+                                                      np.int32(1), attention_fn=llm.attention_fn).dec.num_new)
     llm.runtime.warmed.add(key)
+
+
+def backed_off_steps(adaptive: Adaptive, floor, gain, idle, gap, running) -> int:
+    """How many plain steps a batch that `backoff_decide` just backed off stays backed off: nothing it reads
+    changes over plain steps but `idle`, and the decision can only turn at a row's probe (idle reaching its
+    gap) or at four gaps (the batch-wide probe), so only those step counts are tried. At least 1."""
+    _, gap_now, _, _ = backoff_decide(adaptive, floor, gain, idle, gap, running, xp=np)
+    turns = sorted({int(j) for j in np.concatenate([gap_now - idle, 4 * gap_now - idle]) if j >= 1})
+    for j in turns:
+        if backoff_decide(adaptive, floor, gain, idle + j, gap, running, xp=np)[3]:
+            return j
+    return max(turns[-1] if turns else 1, 1)
 
 
 def host_loop(llm, drafter, dparams, state, sampling, n, host=None, adaptive=None, key=None):
@@ -288,31 +310,41 @@ def host_steps(llm, drafter, dparams, state, sampling, n, host=None, adaptive=No
     times = {"plain": [], "verify": []}  # per-step seconds, compile steps dropped
     sizes_seen = set()  # node counts verified so far in this call (a new one compiles, or may)
 
-    def plain(state):
+    def plain(state, steps: int = 1):
         t = time.perf_counter()
-        state = spec_engine.plain_step_jit(llm.params, llm.config, dparams, drafter, state, sampling,
-                                           attention_fn=llm.attention_fn)
+        if steps == 1:
+            state = spec_engine.plain_step_jit(llm.params, llm.config, dparams, drafter, state, sampling,
+                                               attention_fn=llm.attention_fn)
+        else:
+            state = spec_engine.plain_steps_jit(llm.params, llm.config, dparams, drafter, state, sampling,
+                                                np.int32(steps), attention_fn=llm.attention_fn)
         jax.block_until_ready(state.dec.num_new)
-        times["plain"].append(time.perf_counter() - t)
+        times["plain"].append((time.perf_counter() - t) / steps)
         return state
 
     done = 0  # steps taken
+    next_yield = chunk
     while True:
         finish = np.asarray(state.dec.finish)
         running = finish == engine.FINISH_RUNNING
         if not np.any(running[:n]):
             break
-        if done and done % chunk == 0:
+        if done >= next_yield:
             yield state.dec
-        done += 1
+            next_yield += chunk
         if adaptive is not None:
             g, gap, want, batch = backoff_decide(adaptive, floor, gain, idle, gap, running, xp=np)
             if not batch:
-                state = plain(state)
-                idle += 1
+                # The whole backed-off stretch up to the next probe in one device loop: stepped one token at a
+                # time from the host, each plain step paid a dispatch and a host sync on top of the decode.
+                k = min(backed_off_steps(adaptive, floor, gain, idle, gap, running), next_yield - done)
+                state = plain(state, k)
+                idle += k
+                done += k
                 if host is not None:
                     host.observe(state, n)
                 continue
+        done += 1
         t = time.perf_counter()
         if host is not None:
             proposal, dstate = host.propose(state, n), state.dstate

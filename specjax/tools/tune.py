@@ -48,6 +48,7 @@ from specjax.tools.cost_model import (
 TREE_METHODS = ("medusa", "eagle", "eagle3")
 DEFAULT_GAMMAS = (1, 2, 4, 6, 8)
 DEFAULT_TREE_SIZES = (4, 8, 12, 20, 32)
+DEFAULT_P_MINS = (0.0, 0.3, 0.5, 0.7, 0.9)  # draft_model: candidate p_min at the chosen gamma (0 = off)
 TOLERANCE = 0.15  # |predicted - measured| / measured speedup the cost model should stay within
 
 
@@ -373,9 +374,11 @@ def cost_prompts(prompts: list, acc: Acceptance, n: int) -> list:
 
 def tune(llm, spec: SpeculativeConfig, prompts: list, gammas: Sequence[int] = DEFAULT_GAMMAS,
          max_new_tokens: int = 64, validate: bool = True, log=print,
-         tree_sizes: Sequence[int] = DEFAULT_TREE_SIZES, reps: int = 2, num_cost_prompts: int = 3) -> dict:
+         tree_sizes: Sequence[int] = DEFAULT_TREE_SIZES, reps: int = 2, num_cost_prompts: int = 3,
+         p_mins: Sequence[float] = DEFAULT_P_MINS) -> dict:
     """Measure acceptance and costs and choose gamma (chain methods, from `gammas`) or the tree size (medusa, eagle,
-    eagle3, from `tree_sizes`); then (validate) measure every candidate end to end for the comparison.
+    eagle3, from `tree_sizes`); then (validate) measure every candidate end to end for the comparison. A draft
+    model then has its p_min chosen at that gamma (`tune_p_min`, from `p_mins`; empty: not tuned).
 
     Costs are timed in the generation loop on the `num_cost_prompts` prompts with the most verify steps; every
     timed generation keeps each prompt's fastest of `reps` runs."""
@@ -409,7 +412,36 @@ def tune(llm, spec: SpeculativeConfig, prompts: list, gammas: Sequence[int] = DE
                                ("E[tok] Leviathan", lambda g: leviathan_expected_tokens(alpha, g))], log, reps)
         v["measured_fastest_gamma"] = v.pop("measured_fastest")
         result.update(v)
+    if spec.method == "draft_model" and p_mins and best != OFF:
+        result["p_min"] = tune_p_min(llm, spec, best, prompts, p_mins, sp, log, reps, num_cost_prompts)
     return result
+
+
+def tune_p_min(llm, spec: SpeculativeConfig, gamma: int, prompts: list, p_mins: Sequence[float],
+               sp: SamplingParams, log=print, reps: int = 2, num_cost_prompts: int = 3) -> dict:
+    """Choose a draft model's p_min at `gamma`: p_min cuts chains, so it changes both the acceptance per step and
+    the draft cost of a step (the draft stops its forwards once every row has stopped): each candidate's
+    acceptance is measured, its step timed in the generation loop, and the cost model's prediction (as for a
+    tree size: measured tokens per verify step over measured step time) picks the best. p_min is a traced value
+    (`DraftModelDrafter`): the sweep loads the draft once and compiles one loop."""
+    cands = sorted(set(float(p) for p in p_mins))
+    key = {i + 1: p for i, p in enumerate(cands)}  # setting keys start at 1: 0 is OFF (plain decoding)
+    settings = {k: dataclasses.replace(spec, num_speculative_tokens=gamma, p_min=p, adaptive=False)
+                for k, p in key.items()}
+    log(f"measuring acceptance at γ={gamma} for p_min {', '.join(f'{p:g}' for p in cands)} on {len(prompts)} prompts")
+    acceptance = {k: measure_acceptance(llm, s, prompts, sp, gamma) for k, s in settings.items()}
+    cprompts = cost_prompts(prompts, acceptance[1], num_cost_prompts)
+    costs = measure_loop_costs(llm, settings, cprompts, sp, reps)
+    pred = with_plain(costs, predict_tree(costs, acceptance))
+    best = best_speculative(pred)
+    for k, p in key.items():
+        log(f"  p_min {p:g}: {acceptance[k].expected_tokens:.2f} tokens/verify step, step "
+            f"{1000 * costs.step_s[k]:.1f} ms ({costs.step_s[k] / costs.plain_s:.2f} plain steps), predicted "
+            f"{pred[k]['speedup']:.2f}x" + ("  <- chosen" if k == best else ""))
+    return {"gamma": gamma, "candidates": cands, "chosen_p_min": key[best],
+            "prediction": {key[k]: v for k, v in pred.items() if k != OFF},
+            "costs": dataclasses.asdict(costs) | {"step_s": {key[k]: t for k, t in costs.step_s.items()}},
+            "acceptance": {key[k]: dataclasses.asdict(a) for k, a in acceptance.items()}}
 
 
 def tune_tree(llm, spec: SpeculativeConfig, prompts: list, tree_sizes: Sequence[int] = DEFAULT_TREE_SIZES,

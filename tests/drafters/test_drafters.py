@@ -386,13 +386,14 @@ def test_suffix_host_loop_backs_off_and_stays_exact(target, plain_greedy, monkey
     # a loaded machine those wall times made verification look cheap and the rows kept speculating; a clock that
     # advances 1 per plain step and 10 per verify step makes the break-even 9 accepted tokens, which no row reaches.
     clock = [0.0]
-    steps = {"plain_step_jit": 1.0, "verify_accept_jit": 10.0}
+    steps = {"plain_step_jit": 1.0, "plain_steps_jit": 1.0, "verify_accept_jit": 10.0}
 
     def ticking(name):
         real = getattr(spec_engine, name)
 
         def step(*args, **kwargs):
-            clock[0] += steps[name]
+            # plain_steps_jit runs a backed-off stretch: its 7th argument is the number of plain steps
+            clock[0] += steps[name] * (int(args[6]) if name == "plain_steps_jit" else 1)
             return real(*args, **kwargs)
         return step
 
