@@ -260,14 +260,24 @@ def parse_verbose_prompt(text: str) -> list[int]:
     if not m:
         return []
     n = int(m.group(1))
-    ids = [int(x) for x in re.findall(r"^\s*(\d+) -> '", m.group(2), re.M)[:n]]
-    return ids
+    # each line may carry the logger's prefix ("0.11.826.286 I ") before the id
+    return [int(x) for x in re.findall(r"^(?:[\d.]+ [A-Z] )?\s*(\d+) -> '", m.group(2), re.M)[:n]]
 
 
 def generated_text(stdout: str, prompt_text: str) -> str:
-    """The text a tool printed after echoing the prompt (both tools echo it first; special tokens render as text)."""
+    """The text llama-speculative-simple printed after echoing the prompt (special tokens render as text)."""
     i = stdout.find(prompt_text)
     return stdout[i + len(prompt_text):] if i >= 0 else stdout
+
+
+def same_greedy_text(a: str | None, b: str | None) -> bool:
+    """Whether two greedy outputs agree. The tools stop at different lengths (a speculative step can overshoot -n by
+    its accepted draft) and end their output with their own blank lines, so: the shorter, trailing whitespace
+    stripped, is a prefix of the longer."""
+    if a is None or b is None:
+        return False
+    a, b = a.rstrip(), b.rstrip()
+    return a.startswith(b) if len(a) >= len(b) else b.startswith(a)
 
 
 # -- the llama.cpp parts --------------------------------------------------------------------------------------------
@@ -343,7 +353,7 @@ class LlamaCpp:
 
     def plain(self, p: Prompt, model: str, n_new: int, ctx: int, verbose_prompt: bool = False) -> dict:
         cmd = [self.tools["llama-completion"], *self._common(model, n_new, ctx), "-f", self.prompt_file(p),
-               "-no-cnv", "--perf"]
+               "-no-cnv", "--no-display-prompt", "--perf"]
         if verbose_prompt:
             cmd.append("--verbose-prompt")
         r = self._run(cmd, f"llama-completion {p.set}/{p.id}")
@@ -351,7 +361,7 @@ class LlamaCpp:
                "signal": r.signal}
         if r.ok:
             rec.update(parse_perf(r.stderr + "\n" + r.stdout))
-            rec["text"] = generated_text(r.stdout, p.text)
+            rec["text"] = r.stdout
             if verbose_prompt:
                 rec["prompt_ids"] = parse_verbose_prompt(r.stderr + "\n" + r.stdout)
         return rec
@@ -455,7 +465,7 @@ def run_spec_sweep(args, ll: LlamaCpp, prompts, target, draft, ctx, plain) -> di
         agg = aggregate(recs, "decoded_tokens", "decoded_seconds")
         drafted = sum(r.get("n_drafted", 0) for r in recs)
         accepted = sum(r.get("n_accept", 0) for r in recs)
-        same = [r["text"] == plain_by[(s, r["id"])].get("text") for r in recs
+        same = [same_greedy_text(r.get("text"), plain_by[(s, r["id"])].get("text")) for r in recs
                 if r.get("ok") and (s, r["id"]) in plain_by and plain_by[(s, r["id"])].get("ok")]
         pl = [plain_by[(s, r["id"])] for r in recs if (s, r["id"]) in plain_by]
         pl_agg = aggregate(pl, "eval_tokens", "eval_ms")
@@ -511,37 +521,49 @@ def run_hf(args, target: str, draft: str, prompts: list[Prompt], out: dict) -> N
         assistant.generation_config.num_assistant_tokens = args.hf_assistant_tokens
         assistant.generation_config.num_assistant_tokens_schedule = args.hf_assistant_schedule
     mismatched = []
+    prefill: dict[tuple[str, str], float] = {}
     for mode in args.hf_modes:
         recs = []
         print(f"transformers {mode}:", flush=True)
         for i, p in enumerate(prompts):
             enc = tok(p.text, return_tensors="pt", add_special_tokens=False)
-            if i == 0 and mode == args.hf_modes[0] and enc["input_ids"][0].tolist() != sj.encode(p.text):
+            if mode == args.hf_modes[0] and enc["input_ids"][0].tolist() != sj.encode(p.text):
                 mismatched.append(f"{p.set}/{p.id}")
             gen = dict(max_new_tokens=args.new_tokens, do_sample=False, **modes[mode])
             with torch.no_grad():
                 if i == 0:  # warm-up outside the timing
                     model.generate(**enc, **{**gen, "max_new_tokens": 4})
+                if (p.set, p.id) not in prefill:  # one plain prefill + first token, to report decode-only speed
+                    t = time.perf_counter()
+                    model.generate(**enc, max_new_tokens=1, do_sample=False)
+                    prefill[(p.set, p.id)] = time.perf_counter() - t
                 t = time.perf_counter()
                 ids = model.generate(**enc, **gen)[0, enc["input_ids"].shape[1]:].tolist()
                 dt = time.perf_counter() - t
-            recs.append({"id": p.id, "set": p.set, "new_tokens": len(ids), "seconds": dt, "token_ids": ids})
+            recs.append({"id": p.id, "set": p.set, "new_tokens": len(ids), "seconds": dt,
+                         "prefill_seconds": prefill[(p.set, p.id)], "token_ids": ids})
             print(f"  {p.set}/{p.id}: {len(ids)} tokens, {len(ids) / dt:.2f} tok/s", flush=True)
         res["modes"][mode] = recs
-    res["token_check_first_prompt_mismatched"] = mismatched
+    res["token_check"] = {"checked": len(prompts), "mismatched": mismatched}
     plain = {(r["set"], r["id"]): r["token_ids"] for r in res["modes"].get("plain", [])}
     res["summary"] = {}
     for mode, recs in res["modes"].items():
         for s in sets_of(prompts):
             rs = [r for r in recs if r["set"] == s]
             toks, secs = sum(r["new_tokens"] for r in rs), sum(r["seconds"] for r in rs)
+            # decode only: the tokens after the first over the time after a plain prefill + first token
+            dtoks = sum(r["new_tokens"] - 1 for r in rs)
+            dsecs = sum(max(r["seconds"] - r["prefill_seconds"], 0.0) for r in rs)
             same = [r["token_ids"] == plain[(s, r["id"])] for r in rs if (s, r["id"]) in plain]
             res["summary"][f"{mode}/{s}"] = {"tokens": toks, "seconds": secs, "tps": toks / secs if secs else None,
+                                             "decode_tps": dtoks / dsecs if dsecs else None,
                                              "same_as_plain": f"{sum(same)}/{len(same)}"}
     for key, v in res["summary"].items():
         mode, s = key.split("/")
-        base = res["summary"].get(f"plain/{s}", {}).get("tps")
-        v["speedup"] = v["tps"] / base if base and v["tps"] else None
+        base = res["summary"].get(f"plain/{s}", {})
+        v["speedup"] = v["tps"] / base["tps"] if base.get("tps") and v["tps"] else None
+        v["decode_speedup"] = (v["decode_tps"] / base["decode_tps"] if base.get("decode_tps") and v["decode_tps"]
+                               else None)
 
 
 # -- report ---------------------------------------------------------------------------------------------------------
@@ -592,9 +614,11 @@ def print_tables(out: dict) -> None:
     hf = out.get("hf")
     if hf and hf.get("summary"):
         print(f"\ntransformers {hf['transformers']}, torch {hf['torch']}, {hf['dtype']}, {hf['threads']} threads")
-        print("| mode / set | tok/s | speedup | same tokens as plain |\n|---|---|---|---|")
+        print("| mode / set | tok/s (with prefill) | speedup | decode tok/s | decode speedup | same tokens as plain |\n"
+              "|---|---|---|---|---|---|")
         for k, v in hf["summary"].items():
-            print(f"| {k} | {fmt(v['tps'])} | {fmt(v['speedup'])} | {v['same_as_plain']} |")
+            print(f"| {k} | {fmt(v['tps'])} | {fmt(v['speedup'])} | {fmt(v['decode_tps'])} | "
+                  f"{fmt(v['decode_speedup'])} | {v['same_as_plain']} |")
 
 
 def csv_ints(s: str) -> list[int]:

@@ -22,35 +22,55 @@ def _load():
 
 pp = _load()
 
-# Recorded from llama-speculative-simple built from llama-cpp-python 0.3.36's vendored llama.cpp (commit 0c1e570).
-SPEC_TAIL = """
-encoded   47 tokens in    1.093 seconds, speed:   43.001 t/s
-decoded    9 tokens in    2.617 seconds, speed:    3.439 t/s
-
-n_draft   = 5
-n_predict = 9
-n_drafted = 10
-n_accept  = 6
-accept    = 60.000%
-
-draft:
+# Recorded from llama.cpp's own tools built from the source vendored in llama-cpp-python 0.3.36 (commit 0c1e570),
+# Qwen2.5-Coder-0.5B on a 9-token ChatML prompt on a busy machine (the numbers are not figures), logger prefixes kept.
+SPEC_TAIL = """\
+0.44.917.286 I encoded    9 tokens in    4.284 seconds, speed:    2.101 t/s
+0.44.917.288 I decoded   10 tokens in   24.483 seconds, speed:    0.408 t/s
+0.44.917.288 I 
+0.44.917.288 I n_draft   = 3
+0.44.917.289 I n_predict = 10
+0.44.917.289 I n_drafted = 5
+0.44.917.289 I n_accept  = 5
+0.44.917.290 I accept    = 100.000%
 """
 
-PERF_TAIL = """
-common_perf_print:    sampling time =       0.61 ms
-common_perf_print:    samplers time =       0.34 ms /    55 tokens
-common_perf_print:        load time =    1480.10 ms
-common_perf_print: prompt eval time =    1138.91 ms /    47 tokens (   24.23 ms per token,    41.27 tokens per second)
-common_perf_print:        eval time =    2330.54 ms /     7 runs   (  332.93 ms per token,     3.00 tokens per second)
-common_perf_print:       total time =    3484.77 ms /    54 tokens
+PERF_TAIL = """\
+0.21.781.187 I common_perf_print:    sampling time =       1.24 ms
+0.21.781.210 I common_perf_print:    samplers time =       0.36 ms /    13 tokens
+0.21.781.232 I common_perf_print:        load time =    9884.45 ms
+0.21.781.247 I common_perf_print: prompt eval time =    4350.28 ms /     9 tokens (  483.36 ms per token,     2.07 tokens per second)
+0.21.781.261 I common_perf_print:        eval time =    5602.78 ms /     3 runs   ( 1867.59 ms per token,     0.54 tokens per second)
+0.21.781.275 I common_perf_print:       total time =    9955.26 ms /    12 tokens
+0.21.781.288 I common_perf_print: unaccounted time =       0.96 ms /   0.0 %      (total - sampling - prompt eval - eval) / (total)
+0.21.781.344 I common_perf_print:    graphs reused =          2
+"""
+
+VERBOSE_PROMPT = """\
+'
+0.11.826.271 I llama_completion: number of tokens in prompt = 9
+0.11.826.286 I 151644 -> '<|im_start|>'
+0.11.826.299 I    872 -> 'user'
+0.11.826.313 I    198 -> '
+'
+0.11.826.326 I   6023 -> 'hi'
+0.11.826.339 I 151645 -> '<|im_end|>'
+0.11.826.352 I    198 -> '
+'
+0.11.826.365 I 151644 -> '<|im_start|>'
+0.11.826.379 I  77091 -> 'assistant'
+0.11.826.391 I    198 -> '
+'
+0.11.826.404 I 
+0.11.826.424 I sampler seed: 2369185234
 """
 
 
 def test_parse_speculative_reads_every_number():
     r = pp.parse_speculative(SPEC_TAIL)
-    assert r == {"encoded_tokens": 47, "encoded_seconds": 1.093, "encoded_tps": 43.001, "decoded_tokens": 9,
-                 "decoded_seconds": 2.617, "decoded_tps": 3.439, "n_draft": 5, "n_predict": 9, "n_drafted": 10,
-                 "n_accept": 6, "accept_pct": 60.0}
+    assert r == {"encoded_tokens": 9, "encoded_seconds": 4.284, "encoded_tps": 2.101, "decoded_tokens": 10,
+                 "decoded_seconds": 24.483, "decoded_tps": 0.408, "n_draft": 3, "n_predict": 10, "n_drafted": 5,
+                 "n_accept": 5, "accept_pct": 100.0}
 
 
 def test_parse_speculative_of_a_crash_is_empty():
@@ -59,8 +79,18 @@ def test_parse_speculative_of_a_crash_is_empty():
 
 def test_parse_perf_separates_prompt_eval_from_eval():
     r = pp.parse_perf(PERF_TAIL)
-    assert (r["prompt_ms"], r["prompt_tokens"], r["prompt_tps"]) == (1138.91, 47, 41.27)
-    assert (r["eval_ms"], r["eval_tokens"], r["eval_tps"]) == (2330.54, 7, 3.00)
+    assert (r["prompt_ms"], r["prompt_tokens"], r["prompt_tps"]) == (4350.28, 9, 2.07)
+    assert (r["eval_ms"], r["eval_tokens"], r["eval_tps"]) == (5602.78, 3, 0.54)
+
+
+def test_parse_verbose_prompt_ids_under_the_logger_prefix():
+    assert pp.parse_verbose_prompt(VERBOSE_PROMPT) == [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
+
+
+def test_same_greedy_text_allows_overshoot_and_trailing_blank_lines_only():
+    assert pp.same_greedy_text("# Hello! How\n", "# Hello! How can I assist you today?\n\n\n\n")
+    assert not pp.same_greedy_text("# Hello! Who", "# Hello! How can I")
+    assert not pp.same_greedy_text(None, "x")
 
 
 def test_parse_llama_bench_and_batched_bench_jsonl():
@@ -77,12 +107,6 @@ def test_parse_llama_bench_and_batched_bench_jsonl():
                '"speed": 27.4}\n')
     (b,) = pp.parse_batched_bench_jsonl(batched)
     assert (b["pl"], b["speed_tg"], b["speed_pp"]) == (4, 16.0, 42.6)
-
-
-def test_parse_verbose_prompt_ids():
-    text = ("prompt: '<|im_start|>system'\nnumber of tokens in prompt = 3\n151644 -> '<|im_start|>'\n"
-            "  8948 -> 'system'\n   198 -> '\n'\n\n  42 -> 'x'\n")
-    assert pp.parse_verbose_prompt(text) == [151644, 8948, 198]
 
 
 def test_aggregate_is_tokens_over_seconds_of_the_runs_that_worked():
