@@ -289,21 +289,37 @@ def take_rows(w, index: np.ndarray):
                                minimum=None if w.minimum is None else w.minimum[idx])
 
 
+def _format(w):
+    """What decides whether two weights concatenate into one: their class and static format."""
+    if isinstance(w, BlockWeight):
+        return (BlockWeight, w.type_name, w.k)
+    return (QuantWeight, w.kind, w.group, w.shape[1])
+
+
 def concat_rows(ws: list):
-    """Weights stacked along the output axis (q/k/v and gate/up fusion): one weight of the same format when they
-    share it, else a RowStack of them."""
+    """Weights stacked along the output axis (q/k/v and gate/up fusion): neighbours of one format concatenate into
+    one weight; when formats differ, a RowStack of those runs."""
     if len({w.shape[1] for w in ws}) != 1:
         raise QuantizationError(f"cannot fuse weights of different widths: {sorted({w.shape[1] for w in ws})}")
+    flat = [p for w in ws for p in (w.parts if isinstance(w, RowStack) else [w])]
+    runs: list[list] = []
+    for w in flat:
+        if runs and _format(runs[-1][0]) == _format(w):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
     cat = lambda xs: jnp.concatenate(xs, axis=0)  # noqa: E731
-    if all(isinstance(w, BlockWeight) for w in ws) and len({w.type_name for w in ws}) == 1:
-        return dataclasses.replace(ws[0], blocks=cat([w.blocks for w in ws]))
-    if all(isinstance(w, QuantWeight) for w in ws) and len({(w.kind, w.group) for w in ws}) == 1:
-        return dataclasses.replace(ws[0], codes=cat([w.codes for w in ws]), scale=cat([w.scale for w in ws]),
-                                   minimum=None if ws[0].minimum is None else cat([w.minimum for w in ws]))
-    parts = []
-    for w in ws:
-        parts.extend(w.parts if isinstance(w, RowStack) else [w])
-    return RowStack(tuple(parts))
+    merged = []
+    for run in runs:
+        w = run[0]
+        if len(run) == 1:
+            merged.append(w)
+        elif isinstance(w, BlockWeight):
+            merged.append(dataclasses.replace(w, blocks=cat([r.blocks for r in run])))
+        else:
+            merged.append(dataclasses.replace(w, codes=cat([r.codes for r in run]), scale=cat([r.scale for r in run]),
+                                              minimum=None if w.minimum is None else cat([r.minimum for r in run])))
+    return merged[0] if len(merged) == 1 else RowStack(tuple(merged))
 
 
 def dequantize(w, dtype=jnp.float32) -> jax.Array:

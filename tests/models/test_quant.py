@@ -377,3 +377,95 @@ def test_real_model_gguf_native_matches_dequantized_float32():
     f = jax.jit(lambda p: forward(p, c, toks, pos, cache).logits)
     a, b = np.asarray(f(fuse_projections(ref.params))), np.asarray(f(native.params))
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------ K-quants kept as stored
+
+
+def _kquant_gguf(tmp_path, types: dict):
+    """A tiny llama GGUF (hidden 256, so every projection holds whole 256-value blocks) whose projections are
+    random blocks of the given types: `types` maps a tensor suffix (attn_q, attn_v, ffn_down, ...) to a GGUF type.
+    Returns (config, path)."""
+    from gguf import GGMLQuantizationType
+    from helpers import random_gguf_blocks, tiny_config as hf_tiny_config, tiny_params as hf_tiny_params, write_gguf
+
+    cfg = hf_tiny_config(architecture="LlamaForCausalLM", hidden_size=256, intermediate_size=512, num_heads=4,
+                         num_kv_heads=2, head_dim=64, tie_word_embeddings=True)
+    params = hf_tiny_params(cfg, seed=5)
+    shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256),
+              "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
+    qtypes = {}
+    for i in range(cfg.num_layers):
+        for j, (name, type_name) in enumerate(types.items()):
+            raw = random_gguf_blocks(type_name, *shapes[name], seed=100 * i + j)
+            qtypes[f"blk.{i}.{name}.weight"] = (raw, GGMLQuantizationType[type_name])
+    return cfg, write_gguf(tmp_path / "kquant.gguf", cfg, params, qtypes=qtypes)
+
+
+KQUANT_MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q4_K",
+              "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+
+
+@needs_kernel
+def test_kquant_projections_are_kept_as_stored_and_equal_the_dequantized_float32_model(tmp_path):
+    from specjax.models.loading import load_model
+
+    _, path = _kquant_gguf(tmp_path, KQUANT_MIX)
+    ref = load_model(path, with_tokenizer=False)
+    native = load_model(path, with_tokenizer=False, quantization="gguf")
+    lp = native.params["layers"][0]
+    # q and k share Q4_K, v is Q6_K: one RowStack; gate and up fuse into one Q4_K weight.
+    assert isinstance(lp["wqkv_t"], quant.RowStack)
+    assert [p.type_name for p in lp["wqkv_t"].parts] == ["Q4_K", "Q6_K"]
+    assert lp["wqkv_t"].shape == (512, 256)
+    assert isinstance(lp["w_gu_t"], quant.BlockWeight) and lp["w_gu_t"].type_name == "Q4_K"
+    assert lp["wo_t"].type_name == "Q5_K" and lp["w_down_t"].type_name == "Q6_K"
+    # The file's bytes, not a decoded copy: 4.5 / 5.5 / 6.56 bits a weight.
+    assert quant.weight_bytes(lp["w_gu_t"]) == 1024 * 144
+    c = ref.config
+    toks = jnp.asarray([[1, 50, 34, 28, 42, 31, 26, 13]], jnp.int32)
+    pos = jnp.arange(8)[None]
+    cache = init_cache(c.num_layers, 1, 16, c.num_kv_heads, c.head_dim)
+    f = jax.jit(lambda p: forward(p, c, toks, pos, cache).logits)
+    with cpu_build.row_invariant():  # both sides on the kernels, whatever the row count
+        a, b = np.asarray(f(fuse_projections(ref.params))), np.asarray(f(native.params))
+    np.testing.assert_array_equal(b, a)
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_speculation_equals_plain_over_kquant_weights(tmp_path, method):
+    from specjax.models.loading import load_model
+
+    cfg, path = _kquant_gguf(tmp_path, KQUANT_MIX)
+    native = load_model(path, with_tokenizer=False, quantization="gguf")
+    params = native.params
+    prompts = [[3, 9, 27, 81, 50, 11, 3, 9, 27], [7, 7, 8]]
+    buckets = tiny_buckets(2, max_new=16)
+    sampling = make_sampling(2, max_new=16)
+    plain, _ = outputs(run_plain(params, native.config, buckets, prompts, sampling))
+    if method == "ngram":
+        from specjax.drafters.ngram import NgramDrafter
+
+        drafter, dparams = NgramDrafter(3, 1, 2), {}
+    else:
+        from specjax.drafters.draft_model import DraftModelDrafter
+
+        # The target itself as its own drafter: every drafted token is accepted, so verify blocks run long.
+        drafter, dparams = DraftModelDrafter(native.config, 3, native.config.vocab_size), {"params": params}
+    state = run_spec(params, native.config, dparams, drafter, buckets, prompts, sampling)
+    spec, _ = outputs(state.dec)
+    assert spec == plain
+    assert int(np.asarray(state.stats.verify_steps).sum()) > 0
+
+
+def test_a_kquant_file_with_a_row_the_type_cannot_hold_is_refused(tmp_path):
+    from specjax.models.loading import load_model
+
+    with pytest.raises(quant.QuantizationError, match="whole number of 256-value blocks"):
+        quant.from_gguf_raw(np.zeros(144, np.uint8), "Q4_K", (1, 200), "t")
+    with pytest.raises(quant.QuantizationError, match="do not hold a Q6_K tensor"):
+        quant.from_gguf_raw(np.zeros(100, np.uint8), "Q6_K", (1, 256), "t")
+    with pytest.raises(quant.QuantizationError, match="not kept as stored"):
+        quant.from_gguf_raw(np.zeros(100, np.uint8), "IQ2_XS", (1, 256), "t")
+    del load_model, tmp_path
