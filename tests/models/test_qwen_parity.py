@@ -12,8 +12,9 @@
     float32 on ChatML-wrapped code prompts (slow). A divergence at a logit tie is reported with its gap, and the
     logits of both along the whole sequence are compared too.
 
-The files come from the `qwen05_gguf` / `qwen15_gguf` fixtures (tests/models/conftest.py). Transformers' GGUF
-tokenizer loads in about 15 s, so (a)-(c) run in the default suite when the parity extra is installed.
+The files come from the `qwen05_gguf` / `qwen15_gguf` fixtures (tests/models/conftest.py). Everything that builds
+transformers' tokenizer or model is marked slow and parity; pinned ids, round trips, the pinned ChatML rendering,
+stops and config need only specjax and run in the default suite. Measured figures print with -s.
 """
 from __future__ import annotations
 
