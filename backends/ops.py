@@ -225,7 +225,8 @@ def call(op: str, *args, **kwargs):
 def policy(op: str) -> str:
     """One line for run records: the override in effect for `op` and whether the CPU kernels are built."""
     chosen = override(op)
-    if chosen != AUTO and TABLE[op][chosen].needs_build is None:
+    candidates = TABLE[op].values() if chosen == AUTO else [TABLE[op][chosen]]
+    if all(impl.needs_build is None for impl in candidates):
         return chosen
     built = "built" if cpu_build.available() else "unavailable: " + cpu_build.unavailable_reason()
     return f"{chosen} (kernels {built})"

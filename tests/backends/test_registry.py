@@ -486,3 +486,12 @@ def test_a_retired_variable_names_the_new_spelling(monkeypatch):
     with pytest.raises(ops.KernelSelectionError, match="SPECJAX_CPU_MATMUL is no longer read: set "
                                                        "SPECJAX_KERNELS='matmul=xla' instead"):
         ops.overrides()
+
+
+def test_policy_line_for_run_records(monkeypatch):
+    monkeypatch.setenv(ops.ENV, "matmul=xla,attention=kernel")
+    built = "built" if cpu_build.available() else "unavailable"
+    assert ops.policy("matmul") == "xla"  # nothing to build
+    assert ops.policy("attention").startswith(f"kernel (kernels {built}")
+    assert ops.policy("kv_write").startswith(f"auto (kernels {built}")
+    assert ops.policy("tree_attention") == "auto"
