@@ -51,6 +51,7 @@ class JobSummary:
     plain_steps: int = 0
     speculative: bool = False
     stopped: bool = False  # ended early on SIGTERM, after finishing the requests in flight
+    failed: int = 0  # requests whose generation failed (reported, not written: a rerun tries them again)
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,6 +82,8 @@ class JobSummary:
         if self.speculative:
             parts.append(f"acceptance {self.acceptance_rate:.3f}, tau {self.tau:.2f} ({self.verify_steps} verify "
                          f"steps), {self.tokens_per_forward:.2f} tokens per target forward")
+        if self.failed:
+            parts.append(f"{self.failed} requests failed and were not written; rerun the same command to retry them")
         if self.stopped:
             parts.append("stopped on SIGTERM after the requests in flight; rerun the same command to resume")
         return "; ".join(parts)

@@ -1,6 +1,8 @@
-"""The serving engine behind `specjax serve`: one thread owns the device and runs a fixed-size batch that requests
-join and leave at step-chunk boundaries (continuous batching), with the batch scheduler's programs
-(`runners.batch.programs`: prefill at batch 1, `insert_row` into a free slot, `until_free` for a few steps).
+"""The continuous-batching engine: the one slot loop behind `specjax serve`, `specjax batch` (`runners.batch`
+schedules a job's requests onto it) and `LLM.generate`'s queue (`run_queued`). A fixed-size batch that requests
+join and leave at step-chunk boundaries, over the programs of `programs` (prefill at batch 1, `insert_row` into a
+free slot, `until_free` for a few steps). A server runs the loop on the engine's own thread (`start`); an offline
+caller can run it on its own thread, one pass at a time (`start(thread=False)`, then `step`).
 
 Every shape is fixed for the engine's life (prompt bucket from `EngineOptions.max_prompt_tokens`, output bucket
 from `max_tokens`, B = `max_batch`, stop-id slots), so the programs compile once, at `start` (warm-up), and never
@@ -62,7 +64,9 @@ class EngineOptions:
     and new requests join this often. max_stop_ids: stop token ids per request, the tokenizer's end tokens
     included. all_options: the slots' sampling arrays always carry min_p, min_tokens and the penalties, so any
     request may use them without a new program; False (an offline run whose requests are all known and use none)
-    leaves them out of the programs, and a request that uses one is refused.
+    leaves them out of the programs, and a request that uses one is refused. context_per_request: check the
+    model's context per request (its prompt plus its max_tokens) instead of for the longest prompt with the largest
+    max_tokens: an offline run whose shapes come from known requests, where those two may belong to different ones.
     """
 
     max_batch: int = 16
@@ -72,6 +76,7 @@ class EngineOptions:
     step_chunk: int = 4
     max_stop_ids: int = 8
     all_options: bool = True
+    context_per_request: bool = False
 
     def __post_init__(self):
         for name, low in (("max_batch", 1), ("max_prompt_tokens", 1), ("max_tokens", 1), ("max_queue", 0),
@@ -146,8 +151,9 @@ class Handle:
     """One submitted request (returned by `submit`; pass it to `cancel`)."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 on_event: Callable[[Event], None]):
+                 on_event: Callable[[Event], None], stream: bool = True):
         self.request_id = request_id
+        self.stream = stream
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.on_event = on_event
@@ -172,6 +178,100 @@ def release_rows(finish, mask):
     return jnp.where(mask & (finish == FINISH_RUNNING), jnp.int32(FINISH_LENGTH), finish)
 
 
+class SlotPrograms:
+    """The compiled programs of the slot loop, over one host-driver variant (plain, speculative or Neuron):
+
+    prefill(tokens [1, P], lens [1], active [1], sampling [1]) -> batch-1 state (first token emitted)
+    empty(sampling [B]) -> batch-B state with every slot finished (free)
+    insert(state, row, slot) -> state with the batch-1 `row` in slot `slot`
+    advance(state, sampling [B], max_steps) -> state after running until a slot frees up
+    """
+
+    def __init__(self, variant, buckets, batch: int):
+        self.variant = variant
+        self.drafter = getattr(variant, "drafter", None)
+        self.b1 = dataclasses.replace(buckets, batch=1)
+        self.bB = dataclasses.replace(buckets, batch=batch)
+        self.floor: float | None = None  # the back-off break-even at batch B (`calibrate`); None = the default
+
+    def prefill(self, tokens, lens, active, sampling):
+        return self.variant.prefill(self.b1, tokens, lens, active, sampling)
+
+    def empty(self, sampling):
+        from specjax import engine
+
+        # The batch-B state's structure, without running (or compiling) a batch-B prefill.
+        shapes = self.variant.state_shapes(self.bB, sampling)
+        with self.variant.tracing():
+            state = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            done = jnp.full((self.bB.batch,), engine.FINISH_LENGTH, jnp.int32)
+            return self.variant.with_dec(state, self.variant.dec(state)._replace(finish=done))
+
+    def insert(self, state, row, slot: int):
+        from specjax import engine
+
+        with self.variant.tracing():
+            return engine.insert_row(state, row, np.int32(slot))
+
+    def advance(self, state, sampling, max_steps: int):
+        if self.floor is None:
+            return self.variant.until_free(self.bB, state, sampling, max_steps)
+        return self.variant.until_free(self.bB, state, sampling, max_steps, self.floor)
+
+    def calibrate(self, llm, all_options: bool) -> float | None:
+        """Measure the back-off break-even at batch B before the first request (a verify pass over B rows costs
+        more plain steps than at batch 1, so a drafter that pays alone can cost a full batch): one dummy row
+        (cycling token ids, ignore_eos) in slot 0 of an empty state runs timed speculative and plain steps
+        (`SpecVariant.slot_break_even`), then the state is dropped. Kept in `llm.runtime` per (config, B), so a
+        second job or engine of the same shape does not measure again. A no-op for plain decoding, a variant
+        without a back-off rule, or the Neuron policy."""
+        v = self.variant
+        if getattr(v, "adaptive", None) is None or not hasattr(v, "slot_break_even"):
+            return None
+        B, P, n_stop, V = self.bB.batch, self.bB.prompt_len, self.bB.num_stop, llm.config.vocab_size
+        ids = [(i % max(1, V - 1)) + 1 for i in range(min(16, P))]
+        sp = SamplingParams(max_new_tokens=self.bB.max_new, ignore_eos=True, seed=0)
+        tokens, lens, active = pad_prompts([ids], 1, P)
+        row = self.prefill(tokens, lens, active, sampling_arrays(llm.tokenizer, [sp], 1, n_stop, [ids], V,
+                                                                 all_options))
+        sampling = sampling_arrays(llm.tokenizer, [sp] * B, B, n_stop, [ids] * B, V, all_options)
+        state = self.insert(self.empty(sampling), row, 0)
+        self.floor = v.slot_break_even(self.bB, state, sampling)
+        return self.floor
+
+
+def programs(llm, buckets, batch: int, drafter=None, dparams=None, adaptive=None, spec=None) -> SlotPrograms:
+    """The engine's programs for a drafter (None: plain decoding): under the Neuron policy when llm.backend is
+    'neuron' (the NeuronRunner's ahead-of-time compiled prefill at batch 1 and straight-line fused step at a
+    Neuron batch bucket, 4 steps a call), else the plain or speculative variant."""
+    if getattr(llm, "backend", None) == "neuron":
+        from specjax.backends import neuron
+        from specjax.runners.neuron import NeuronVariant
+
+        tree_nodes = 1 if drafter is None else drafter.tree.num_nodes
+        b1 = neuron.bucket_for(1, buckets.prompt_len, buckets.max_new, tree_nodes, buckets.num_stop)
+        progs = SlotPrograms(NeuronVariant(llm, drafter, dparams, steps_per_call=4), b1, _neuron_batch(batch))
+        progs.variant.runner.warmup([progs.b1, progs.bB])
+        return progs
+    if drafter is None:
+        from specjax.runners.plain import PlainVariant
+
+        return SlotPrograms(PlainVariant(llm), buckets, batch)
+    from specjax.runners.speculative import SpecVariant
+
+    return SlotPrograms(SpecVariant(llm, drafter, dparams, adaptive=adaptive, spec=spec), buckets, batch)
+
+
+def _neuron_batch(batch: int) -> int:
+    from specjax.backends.neuron import NEURON_BATCHES
+
+    fits = [b for b in NEURON_BATCHES if b >= batch]
+    if not fits:
+        raise RequestError(f"batch size {batch} exceeds the largest Neuron batch bucket ({NEURON_BATCHES[-1]}); "
+                         f"use --batch-size {NEURON_BATCHES[-1]} or less")
+    return fits[0]
+
+
 # ----------------------------------------------------------------------------------------------------- engine
 
 
@@ -190,7 +290,6 @@ class ServingEngine:
                  options: EngineOptions | None = None, observer: EngineObserver | None = None):
         from specjax.backoff import adaptive_rule
         from specjax.buckets import make_buckets
-        from specjax.runners.batch import programs
         from specjax.runners.speculative import drafter_for
 
         self.llm = llm
@@ -207,13 +306,13 @@ class ServingEngine:
                 drafter, dparams = drafter_for(llm, self.spec)
             if drafter.capabilities.host_side:
                 raise RequestError(f"speculative method {self.spec.method!r} drafts on the host and cannot run in "
-                                   "the serving batch loop; use ngram, draft_model, medusa, eagle or eagle3")
+                                   "the continuous batching loop; use ngram, draft_model, medusa, eagle or eagle3")
             adaptive = adaptive_rule(drafter, self.spec)
             extra = drafter.tree.num_nodes
         self.extra_slots = extra
         o = self.options
         need = o.max_prompt_tokens + o.max_tokens + extra
-        if need > llm.max_context:
+        if need > llm.max_context and not o.context_per_request:
             raise RequestError(f"max_prompt_tokens {o.max_prompt_tokens} + max_tokens {o.max_tokens}"
                                + (f" + {extra} speculative slots" if extra else "")
                                + f" = {need} exceeds the model's context of {llm.max_context}; lower one of them")
@@ -292,9 +391,10 @@ class ServingEngine:
         return sampling
 
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, on_event: Callable[[Event], None],
-               request_id: str | None = None) -> Handle:
+               request_id: str | None = None, stream: bool = True) -> Handle:
         """Queue a request (any thread). on_event(event) is called on the engine thread: `Delta`s, then one
-        `Finished` or `Failed`; an exception it raises cancels the request. Raises RequestError (bad request),
+        `Finished` or `Failed`; an exception it raises cancels the request. stream=False: no `Delta`s, and no text
+        until the row ends (its stop strings then cut the result, as a non-streamed `LLM.generate` does). Raises RequestError (bad request),
         QueueFullError or EngineStoppedError; nothing is queued then."""
         ids = [int(t) for t in prompt_ids]
         sampling = self.check(ids, sampling)
@@ -305,7 +405,7 @@ class ServingEngine:
             if len(self._waiting) >= self.options.max_queue:
                 raise QueueFullError(f"the server is busy: {len(self._waiting)} requests are already waiting "
                                      f"(--max-queue {self.options.max_queue}); retry later")
-            handle = Handle(request_id or f"req-{next(self._ids)}", ids, sampling, on_event)
+            handle = Handle(request_id or f"req-{next(self._ids)}", ids, sampling, on_event, stream)
             self._waiting.append(handle)
             self._lock.notify_all()
         return handle
@@ -340,25 +440,25 @@ class ServingEngine:
             raise RuntimeError(f"request {handle.request_id} failed ({end[0].reason}): {end[0].message}")
         return end[0].result, pieces
 
-    def start(self, warmup: bool = True) -> "ServingEngine":
+    def start(self, warmup: bool = True, thread: bool = True) -> "ServingEngine":
         """Start the engine thread; with `warmup`, compile every program first (returns once they are
-        compiled). Raises whatever the warm-up raised."""
-        if self._thread is not None:
+        compiled). Raises whatever the warm-up raised. thread=False starts no thread: the caller runs the loop
+        itself with `step` (on one thread, events delivered during its calls)."""
+        if self._thread is not None or self._inline:
             raise RuntimeError("the engine was already started")
         jax.monitoring.register_event_duration_secs_listener(self._count_compile)
+        if not thread:
+            with self._on_mesh():
+                self._prepare(warmup)
+            self._inline = True
+            return self
         ready = threading.Event()
         error: list[BaseException] = []
 
         def main():
             with self._on_mesh():
                 try:
-                    # The back-off break-even at this batch size, measured before any request runs (`calibrate`).
-                    self.progs.calibrate(self.llm, self.options.all_options)
-                    self._state = self._empty()
-                    if warmup:
-                        t = time.perf_counter()
-                        self._warmup()
-                        self.warmup_seconds = time.perf_counter() - t
+                    self._prepare(warmup)
                 except BaseException as e:  # reported to start()'s caller
                     error.append(e)
                     self.failure = f"warm-up failed: {e}"
@@ -373,6 +473,17 @@ class ServingEngine:
         if error:
             raise error[0]
         return self
+
+    def step(self) -> bool:
+        """One pass of the slot loop on the caller's thread (an engine started with thread=False): cancellations,
+        admissions, a chunk of steps, read, finish; events are delivered before it returns. Returns whether any
+        request is still running or waiting. A failure of a batch-wide program is raised to the caller."""
+        if not self._inline:
+            raise RuntimeError("step() drives an engine started with thread=False")
+        with self._on_mesh():
+            self._pass(wait=False)
+        with self._lock:
+            return bool(self._waiting) or any(h is not None for h in self._slots)
 
     def drain(self, deadline: float | None = None) -> None:
         """Take no new requests; those already submitted run on. With `deadline` (seconds from now), whatever
@@ -402,12 +513,23 @@ class ServingEngine:
         return self._shutdown_cancels == 0
 
     _shutdown_cancels = 0  # requests cancelled at a drain deadline
+    _inline = False  # started with thread=False: the caller runs the loop (`step`)
 
     # ------------------------------------------------------------------------------------------- engine thread
 
     def _count_compile(self, event: str, duration: float, **kw) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
             self.compiles += 1
+
+    def _prepare(self, warmup: bool) -> None:
+        # The back-off break-even at this batch size, measured before any request runs (`calibrate`).
+        self.progs.calibrate(self.llm, self.options.all_options)
+        self._state = self._empty()
+        self._last_read = None  # the last host copy of the outputs, None when no slot is taken
+        if warmup:
+            t = time.perf_counter()
+            self._warmup()
+            self.warmup_seconds = time.perf_counter() - t
 
     def _sampling(self) -> object:
         """The [B] sampling arrays of the slots (free slots repeat the filler's values)."""
@@ -496,45 +618,50 @@ class ServingEngine:
                     return
 
     def _serve(self) -> None:
-        """The engine loop: cancellations, admissions, a chunk of steps, read and stream, finish; until stopped."""
-        read = None  # the last host copy of the outputs, None when no slot is taken
-        while True:
-            with self._lock:
-                while not (self._stop or self._waiting or self._cancel or any(h is not None for h in self._slots)):
-                    self._lock.wait()
-                cancels, self._cancel = self._cancel, set()
-                past_deadline = self._deadline is not None and time.perf_counter() >= self._deadline
-                idle = not self._waiting and all(h is None for h in self._slots)
-                stop_now = self._stop and (idle or past_deadline)
-                gone = [h for h in self._waiting if h in cancels]
-                for h in gone:
-                    self._waiting.remove(h)
-                if past_deadline:
-                    self._deadline = None
+        """The engine thread's loop: passes until stopped."""
+        while self._pass(wait=True):
+            pass
+
+    def _pass(self, wait: bool) -> bool:
+        """One pass of the slot loop: cancellations, admissions, a chunk of steps, read and stream, finish. With
+        `wait`, it first blocks until there is work. Returns False when the engine is to stop."""
+        with self._lock:
+            while wait and not (self._stop or self._waiting or self._cancel or any(h is not None for h in self._slots)):
+                self._lock.wait()
+            cancels, self._cancel = self._cancel, set()
+            past_deadline = self._deadline is not None and time.perf_counter() >= self._deadline
+            idle = not self._waiting and all(h is None for h in self._slots)
+            stop_now = self._stop and (idle or past_deadline)
+            gone = [h for h in self._waiting if h in cancels]
             for h in gone:
-                self._end(h, Failed("cancelled", "the request was cancelled"))
+                self._waiting.remove(h)
             if past_deadline:
-                self._cancel_all("shutdown", "the server shut down before the request finished")
-                read = None
-            if stop_now:
-                return
-            free = np.zeros(self.batch, bool)
-            for s, h in enumerate(self._slots):
-                if h is not None and h in cancels:
-                    free[s] = True
-                    self._vacate(s, Failed("cancelled", "the request was cancelled"))
-            if free.any():
-                self._release(free)
-            admitted = self._admit()
-            if not any(h is not None for h in self._slots):
-                read = None
-                continue
-            if admitted or read is None:
-                read = self._read()
-            if np.any(read[2] == FINISH_RUNNING):
-                self._state = self.progs.advance(self._state, self._slot_sampling, self.options.step_chunk)
-            read = self._read()
-            self._collect(read)
+                self._deadline = None
+        for h in gone:
+            self._end(h, Failed("cancelled", "the request was cancelled"))
+        if past_deadline:
+            self._cancel_all("shutdown", "the server shut down before the request finished")
+            self._last_read = None
+        if stop_now:
+            return False
+        free = np.zeros(self.batch, bool)
+        for s, h in enumerate(self._slots):
+            if h is not None and h in cancels:
+                free[s] = True
+                self._vacate(s, Failed("cancelled", "the request was cancelled"))
+        if free.any():
+            self._release(free)
+        admitted = self._admit()
+        if not any(h is not None for h in self._slots):
+            self._last_read = None
+            return True
+        if admitted or self._last_read is None:
+            self._last_read = self._read()
+        if np.any(self._last_read[2] == FINISH_RUNNING):
+            self._state = self.progs.advance(self._state, self._slot_sampling, self.options.step_chunk)
+        self._last_read = self._read()
+        self._collect(self._last_read)
+        return True
 
     def _admit(self) -> bool:
         """Prefill waiting requests into free slots (each alone, at batch 1), streaming each one's first token
@@ -556,7 +683,7 @@ class ServingEngine:
                 continue
             from specjax.models.tokenizer import IncrementalDecoder
 
-            h.decoder = IncrementalDecoder(self.tokenizer)
+            h.decoder = IncrementalDecoder(self.tokenizer) if h.stream else None
             self._state = self.progs.insert(self._state, row, s)
             with self._lock:
                 self._slots[s] = h
@@ -587,20 +714,21 @@ class ServingEngine:
                 if h.first is None and n > 0:
                     h.first = now
                     self.observer.first_token(now - h.arrival)
-                piece = "".join(h.decoder.push(int(t)) for t in toks[s, h.seen:n])
-                h.seen = n
-                shown = h.stops.push(piece) if piece else ""
-                if shown and not self._emit(h, Delta(shown)):
-                    release[s] = True
-                    self._vacate(s, Failed("cancelled", "the request's receiver failed"))
-                    continue
+                if h.stream:
+                    piece = "".join(h.decoder.push(int(t)) for t in toks[s, h.seen:n])
+                    h.seen = n
+                    shown = h.stops.push(piece) if piece else ""
+                    if shown and not self._emit(h, Delta(shown)):
+                        release[s] = True
+                        self._vacate(s, Failed("cancelled", "the request's receiver failed"))
+                        continue
                 ended = finish[s] != FINISH_RUNNING
                 if not (ended or h.stops.stopped):
                     continue
                 if self.progs.drafter is not None and stats is None:
                     stats = jax.device_get(self._state.stats)
                 result = self._result(h, toks[s, :n].tolist(), int(finish[s]), stats, s, now)
-                rest = h.stops.close(result.text)
+                rest = h.stops.close(result.text) if h.stream else ""
                 if rest and not self._emit(h, Delta(rest)):
                     release[s] = True
                     self._vacate(s, Failed("cancelled", "the request's receiver failed"))
@@ -651,6 +779,7 @@ class ServingEngine:
         for s, h in enumerate(self._slots):
             if h is not None:
                 self._vacate(s, Failed("error", message))
+        self._last_read = None
         try:
             self._state = self._empty()
         except Exception as e:
@@ -679,7 +808,8 @@ def run_queued(llm, prompt_ids: Sequence[Sequence[int]], params: Sequence[Sampli
     params = list(params)
     options = EngineOptions(max_batch=max(1, min(max_batch, n)), max_prompt_tokens=max(map(len, prompt_ids)),
                             max_tokens=max(p.max_new_tokens for p in params), max_queue=n, step_chunk=step_chunk,
-                            max_stop_ids=max(1, num_stop(llm.tokenizer, params)), all_options=uses_options(params))
+                            max_stop_ids=max(1, num_stop(llm.tokenizer, params)), all_options=uses_options(params),
+                            context_per_request=True)
     engine = ServingEngine(llm, speculative, options)
     events: queue.SimpleQueue = queue.SimpleQueue()
     results: list[Result | None] = [None] * n

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 import serve_helpers
-from specjax.runners import batch
+from specjax.runners import batch, serving
 from specjax.api import LLM
 from specjax.models.llama import LlamaConfig, init_params
 from specjax.models.tokenizer import TokenizerError
@@ -363,7 +363,7 @@ def test_every_state_leaf_is_batch_first(llm):
     buckets = make_buckets(1, 16, 16, extra_slots=4)
     sampling = llm.sampling_arrays([batch.SamplingParams()] * 5, 5, buckets.num_stop)
     for drafter, dp in ((None, None), (NgramDrafter(3), {}), (DraftModelDrafter(dcfg, 3, 264), dparams)):
-        state = batch.programs(llm, buckets, 5, drafter, dp).empty(sampling)
+        state = serving.programs(llm, buckets, 5, drafter, dp).empty(sampling)
         leaves = jax.tree_util.tree_leaves(state)
         assert len(leaves) > 6 and all(a.shape[0] == 5 for a in leaves), drafter
         finish = state.finish if drafter is None else state.dec.finish
