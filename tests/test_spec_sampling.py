@@ -15,6 +15,10 @@ Planted variants run under a fresh drafter subclass, so no compiled program is s
 Deterministic trees with siblings (a static Medusa tree, an EAGLE-2 dynamic tree, the latter with a lookup chain
 merged in) go through the same tests; their
 planted bug is the same residual one, which there lets a rejected sibling come back as the correction token.
+The draft model's cheap variants go through them too, each with its own planted bug: a trimmed draft vocabulary
+(q must be zero off the kept tokens: the bug reports some mass there), p_min (q must be restricted to the tokens
+at or above p_min: the bug reports the unrestricted q) and the draft model merged with lookup (a looked-up
+token's q is a point mass: the bug reports a smoothed one).
 """
 from __future__ import annotations
 
@@ -193,6 +197,18 @@ def drafter_for(name: str, draft, target=None):
         return DraftModelDrafter(dcfg, GAMMA, V), {"params": dparams}
     if name == "ngram":
         return NgramDrafter(GAMMA, 1, 2), {}
+    if name in ("draft_trim", "draft_pmin", "draft_lookup"):
+        from specjax.drafters.draft_model import trim_vocab
+        from specjax.drafters.with_lookup import DraftWithLookup
+
+        dcfg, dparams = draft
+        drafter = DraftModelDrafter(dcfg, GAMMA, V)
+        if name == "draft_trim":
+            params, d2t = trim_vocab(dparams, None, TRIM_KEEP)
+            return drafter, {"params": params, "d2t": d2t}
+        if name == "draft_pmin":
+            return drafter, {"params": dparams, "p_min": jnp.float32(P_MIN)}
+        return DraftWithLookup.around(drafter, NgramDrafter(GAMMA, 1, 2)), {"params": dparams}
     config, params = target
     if name == "medusa":
         from specjax.drafters.medusa import MedusaDrafter
@@ -222,6 +238,9 @@ def drafter_for(name: str, draft, target=None):
 
 
 TREES = ["medusa", "eagle", "eagle_lookup"]
+CHEAP = ["draft_trim", "draft_pmin", "draft_lookup"]
+TRIM_KEEP = [0, 2, 3, 5, 7, 8, 9, 11]  # 8 of the 12 ids
+P_MIN = 0.2
 
 
 def report(label: str, res: dict, extra: str = "") -> str:
@@ -242,7 +261,7 @@ def test_plain_sampling_matches_the_exact_distribution(target, prompt, exact_log
 
 
 @pytest.mark.parametrize("method,setting", [(m, s) for m in ("draft_model", "ngram") for s in SETTINGS]
-                         + [(m, s) for m in TREES for s in ("t1", "top_k")])
+                         + [(m, s) for m in TREES + CHEAP for s in ("t1", "top_k")])
 def test_speculative_sampling_matches_the_exact_distribution(target, draft, prompt, exact_logits, method, setting):
     drafter, dparams = drafter_for(method, draft, target)
     samples = sample_sequences(target, prompt, SETTINGS[setting], drafter, dparams, base_seed=10 ** 6)
@@ -277,7 +296,7 @@ def acceptance_rate(target, prompt, drafter, dparams, setting: dict, per_step: b
     return float(np.asarray(st.accepted).sum() / max(1, np.asarray(den).sum()))
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"] + TREES)
+@pytest.mark.parametrize("method", ["draft_model", "ngram"] + TREES + CHEAP)
 def test_acceptance_is_neither_rare_nor_certain(target, draft, prompt, method):
     """The statistical tests only have power if drafts are often accepted and often rejected (thousands of
     each over a run of 16k sequences)."""
@@ -336,3 +355,39 @@ def test_draft_that_ignores_top_p_everywhere_stays_lossless(target, draft, promp
     res = joint_test(samples, exact_joint(exact_logits, SETTINGS["top_p"]))
     line = report("draft without top-p (sampled and reported)", res)
     assert res["p"] > PASS_P, line
+
+
+def _q_with_mass_off_the_kept_tokens(self, dparams, logits, sampling, allow_cond):
+    """Planted bug (trimmed vocabulary): the draft samples over the kept tokens but reports a q that leaves some
+    mass on the dropped ones (as if its full-vocabulary q had not been restricted)."""
+    full, probs = DraftModelDrafter._q(self, dparams, logits, sampling, allow_cond)
+    off = (full == 0).astype(full.dtype)
+    return 0.7 * full + 0.3 * off / jnp.maximum(off.sum(-1, keepdims=True), 1.0), probs
+
+
+def _draw_without_restricting_q(self, dparams, logits, sampling, u, p_min, allow_cond):
+    """Planted bug (p_min): the chain still stops at an unlikely token, but q is not restricted to the tokens at
+    or above p_min (the kept token was drawn from the restricted distribution)."""
+    return DraftModelDrafter._draw(self, dparams, logits, sampling, u, jnp.float32(0.0), allow_cond)
+
+
+def _smoothed_lookup_q(tokens, V, dtype):
+    """Planted bug (draft + lookup): a looked-up token reported as drawn from a smoothed point mass."""
+    from specjax.drafters.with_lookup import DraftWithLookup
+
+    return 0.6 * DraftWithLookup._lookup_q(tokens, V, dtype) + 0.4 / V
+
+
+@pytest.mark.parametrize("method", CHEAP)
+def test_planted_bug_in_a_cheap_draft_variant_is_caught(target, draft, prompt, exact_logits, method):
+    drafter, dparams = drafter_for(method, draft, target)
+    if method == "draft_trim":
+        bad = fresh(drafter, _q=_q_with_mass_off_the_kept_tokens)
+    elif method == "draft_pmin":
+        bad = fresh(drafter, _draw=_draw_without_restricting_q)
+    else:
+        bad = fresh(drafter, _lookup_q=staticmethod(_smoothed_lookup_q))
+    samples = sample_sequences(target, prompt, SETTINGS["t1"], bad, dparams, base_seed=6 * 10 ** 6)
+    res = joint_test(samples, exact_joint(exact_logits, SETTINGS["t1"]))
+    line = report(f"planted bug, {method}", res)
+    assert res["p"] < FAIL_P, line
