@@ -5,8 +5,12 @@
                     xla              all                 0         XLA's dot_general
     quant_matmul    kernel           cpu                 100       C++ quant_matmul, any number of rows
                     xla              all                 0         int8: dot then scale; others dequantize + dot
-    gguf_matmul     kernel           cpu                 100       C++ gguf_matmul: GGUF blocks as stored (Q4_0 ..
-                                                                   Q8_0, Q4_K, Q5_K, Q6_K), any number of rows
+    gguf_matmul     kernel_q8        cpu                 110       C++ gguf_matmul_q8: activations rounded to int8
+                                                                   (as llama.cpp), integer dot products; Q4_K,
+                                                                   Q6_K, Q5_0, Q8_0; auto: CPUs with AVX-512 VNNI
+                    kernel           cpu                 100       C++ gguf_matmul: GGUF blocks as stored (Q4_0 ..
+                                                                   Q8_0, Q4_K, Q5_K, Q6_K), any number of rows,
+                                                                   equal to the dequantized float32 product
                     xla              all                 0         the blocks dequantized in the forward + dot
     attention       kernel           cpu                 100       C++ prefix_attention; auto: <= 128 new tokens;
                                                                    no sliding window
@@ -44,6 +48,11 @@ define_op("gguf_matmul", "gguf_matmul(x [..., K], blocks uint8 [N, row_bytes], *
 register("gguf_matmul", "xla", gguf_matmul.xla_gguf_matmul)
 register("gguf_matmul", "kernel", gguf_matmul.kernel_gguf_matmul, ("cpu",), gguf_matmul.is_supported,
          priority=KERNEL, custom_call=True, needs_build=("GGUF-block matmul", "XLA's dot on dequantized blocks"))
+# Activations rounded to int8 (lossy, as llama.cpp's CPU backend): ahead of the float32 decoding where the CPU has
+# integer dot products; SPECJAX_KERNELS=gguf_matmul=kernel keeps the products equal to the dequantized model's.
+register("gguf_matmul", "kernel_q8", gguf_matmul.q8_kernel_gguf_matmul, ("cpu",), gguf_matmul.q8_is_supported,
+         priority=KERNEL + 10, prefers=gguf_matmul.q8_prefers, custom_call=True,
+         needs_build=("GGUF-block matmul", "XLA's dot on dequantized blocks"))
 
 define_op("attention", "attention(q [B, T, Hq, D], k_cache, v_cache [B, Hkv, S, D], k_new, v_new [B, T, Hkv, D], "
                        "lengths [B], tree_mask [B, T, T], *, scale, positions=None, window=None) -> [B, T, Hq, D]")

@@ -31,12 +31,13 @@ from specjax.errors import SpecjaxError
 SOURCE_DIR = pathlib.Path(__file__).with_name("cpu")
 # Compiled together into one library; tiles.h (included by both) is part of the cache key.
 SOURCES = (SOURCE_DIR / "small_matmul.cc", SOURCE_DIR / "prefix_attention.cc", SOURCE_DIR / "quant_matmul.cc",
-           SOURCE_DIR / "kv_write.cc", SOURCE_DIR / "gguf_matmul.cc")
-HEADERS = (SOURCE_DIR / "tiles.h",)
+           SOURCE_DIR / "kv_write.cc", SOURCE_DIR / "gguf_matmul.cc",
+           SOURCE_DIR / "gguf_matmul_q8.cc")
+HEADERS = (SOURCE_DIR / "tiles.h", SOURCE_DIR / "gguf_blocks.h")
 # FFI target name -> exported handler symbol.
 TARGETS = {"specjax_small_matmul": "SpecjaxSmallMatmul", "specjax_prefix_attention": "SpecjaxPrefixAttention",
            "specjax_quant_matmul": "SpecjaxQuantMatmul", "specjax_kv_write": "SpecjaxKvWrite",
-           "specjax_gguf_matmul": "SpecjaxGgufMatmul"}
+           "specjax_gguf_matmul": "SpecjaxGgufMatmul", "specjax_gguf_matmul_q8": "SpecjaxGgufMatmulQ8"}
 
 
 _TRACING = threading.local()

@@ -23,10 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.compile_cache import cpu_flags
 from specjax.errors import SpecjaxError
 from specjax.kernels import cpu_build
 
 FFI_TARGET = "specjax_gguf_matmul"
+FFI_TARGET_Q8 = "specjax_gguf_matmul_q8"
+# The formats of the int8-activation product (`cpu/gguf_matmul_q8.cc`) and the CPU features that make it fast
+# (its portable fallback is exact too, but slower than the float32 decoding).
+Q8_TYPES = ("Q4_K", "Q6_K", "Q5_0", "Q8_0")
+Q8_FLAGS = ("avx512_vnni", "avx512bw", "avx512vl")
+Q8_BLOCK = 32  # activations per int8 scale
 
 
 class BlockType(NamedTuple):
@@ -219,6 +226,65 @@ Jitted entry point for direct use; the model goes through the op table (`quant.l
 GgufMatmulInputError on inputs the kernel does not take, KernelBuildError without a compiler."""
 
 
-__all__ = ["BlockType", "FFI_TARGET", "GgufMatmulInputError", "TYPES", "block_type", "dequantize", "gguf_matmul",
+# ------------------------------------------------------------------------------ int8 activations (as llama.cpp)
+
+
+def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] float -> (int8 codes [..., K], scales [..., K / 32] float32): per 32 values d = max|x| / 127 and
+    codes round-to-nearest-even(x * (1 / d)), clipped to +-127 (0 where the block is all zeros), as the kernel
+    computes them."""
+    x = x.astype(jnp.float32)
+    b = x.reshape(*x.shape[:-1], x.shape[-1] // Q8_BLOCK, Q8_BLOCK)
+    d = jnp.max(jnp.abs(b), axis=-1) / jnp.float32(127.0)
+    inv = jnp.where(d != 0, jnp.float32(1.0) / jnp.where(d != 0, d, 1.0), 0.0)
+    q = jnp.clip(jnp.round(b * inv[..., None]), -127, 127).astype(jnp.int8)
+    return q.reshape(x.shape), d
+
+
+def gguf_matmul_q8_reference(x: jax.Array, blocks: jax.Array, type_name: str) -> jax.Array:
+    """The int8-activation product in plain jnp: x rounded by `quantize_activations`, times the dequantized
+    weight, in float32 (the kernel sums in another order: equal up to float32 rounding)."""
+    q, d = quantize_activations(x)
+    xr = (q.astype(jnp.float32).reshape(*q.shape[:-1], -1, Q8_BLOCK) * d[..., None]).reshape(x.shape)
+    return gguf_matmul_reference(xr, blocks, type_name)
+
+
+def q8_kernel_gguf_matmul(x, blocks, *, type_name: str, out_dtype=None) -> jax.Array:
+    """The int8-activation kernel as the op table calls it inside a traced forward: [..., N] in `out_dtype`."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], blocks.shape[0]), jnp.float32)
+    y = jax.ffi.ffi_call(FFI_TARGET_Q8, out, vmap_method="sequential")(
+        x2, blocks, type=np.int64(TYPES[type_name].ggml_id))
+    return y.reshape(*lead, blocks.shape[0]).astype(out_dtype)
+
+
+def q8_is_supported(x, blocks, *, type_name: str, out_dtype=None) -> bool:
+    return type_name in Q8_TYPES and is_supported(x, blocks, type_name=type_name)
+
+
+def q8_prefers(x, blocks, *, type_name: str, out_dtype=None) -> bool:
+    """`auto` takes the int8-activation kernel where the CPU has integer dot-product instructions."""
+    return set(Q8_FLAGS) <= set(cpu_flags())
+
+
+def _gguf_matmul_q8(x, blocks, type_name):
+    validate_gguf_matmul_inputs(x, blocks, type_name)
+    if type_name not in Q8_TYPES:
+        raise GgufMatmulInputError(f"the int8-activation product takes {', '.join(Q8_TYPES)}, not {type_name}")
+    if not cpu_build.available():
+        raise cpu_build.KernelBuildError(f"the CPU GGUF-block kernel is unavailable: {cpu_build.unavailable_reason()}")
+    return q8_kernel_gguf_matmul(x, blocks, type_name=type_name, out_dtype=jnp.float32)
+
+
+gguf_matmul_q8 = jax.jit(_gguf_matmul_q8, static_argnames=("type_name",))
+gguf_matmul_q8.__doc__ = """q8(x) [..., K] . dequantize(blocks)^T -> [..., N] float32 through the int8-activation
+kernel (CPU only), x rounded as `quantize_activations` does."""
+
+
+__all__ = ["FFI_TARGET_Q8", "Q8_FLAGS", "Q8_TYPES", "gguf_matmul_q8", "gguf_matmul_q8_reference",
+           "q8_is_supported", "q8_kernel_gguf_matmul", "q8_prefers", "quantize_activations",
+"BlockType", "FFI_TARGET", "GgufMatmulInputError", "TYPES", "block_type", "dequantize", "gguf_matmul",
            "gguf_matmul_reference", "is_supported", "kernel_gguf_matmul", "row_bytes", "validate_gguf_matmul_inputs",
            "xla_gguf_matmul"]

@@ -19,6 +19,9 @@ parametrizations (CI runs a reduced configuration within its time limit; the ful
 SPECJAX_EXACT_SETTING picks the target's weights: float32 (the default), bfloat16, or a quantization of
 `LLM(quantization=...)` (int8, int4, gguf, w8a8), optionally with `+kv8` for the int8 KV cache; speculation is then
 compared with plain decoding of the same quantized target (heads and drafts stay as shipped).
+SPECJAX_EXACT_MODEL names another target (e.g. qwen2.5-coder-1.5b with SPECJAX_EXACT_SETTING=gguf: its K-quant
+blocks as stored), and the method draft_named drafts with the model SPECJAX_EXACT_DRAFT names (default
+qwen2.5-coder-0.5b); draft_self and the shipped heads and draft belong to SmolLM2 and are skipped for other targets.
 """
 from __future__ import annotations
 
@@ -45,6 +48,9 @@ N_PROMPTS = int(os.environ.get("SPECJAX_EXACT_PROMPTS", "40"))
 ONLY_METHODS = [m for m in os.environ.get("SPECJAX_EXACT_METHODS", "").split(",") if m]
 ONLY_BATCHES = [int(b) for b in os.environ.get("SPECJAX_EXACT_BATCHES", "").split(",") if b]
 SETTING = os.environ.get("SPECJAX_EXACT_SETTING", "float32")
+# The target and, for the method draft_named, the draft model, by any name the resolver takes.
+MODEL = os.environ.get("SPECJAX_EXACT_MODEL", "smollm2-135m")
+DRAFT = os.environ.get("SPECJAX_EXACT_DRAFT", "qwen2.5-coder-0.5b")
 TIE_GAP = 1e-4
 WIDTHS = (128, 1024)  # prompt buckets; the KV capacity of each is the next multiple of 128 that fits
 MAX_NODES = 33  # verify slots reserved beyond prompt + MAX_NEW (EAGLE's default tree: 32 drafted + the root)
@@ -69,6 +75,8 @@ def speculative_config(method: str) -> SpeculativeConfig | None:
     if method == "draft_self":
         return SpeculativeConfig(method="draft_model", model=resolve_model("smollm2-135m").path,
                                  num_speculative_tokens=4)
+    if method == "draft_named":
+        return SpeculativeConfig(method="draft_model", model=DRAFT, num_speculative_tokens=4)
     if method == "draft_shipped":
         path = shipped_draft_path()
         return None if path is None else SpeculativeConfig(method="draft_model", model=path,
@@ -99,7 +107,7 @@ def llm():
     quantization = None if weights in ("float32", "bfloat16") else weights
     print(f"\ntest_spec_exactness: target {SETTING} (dtype {dtype}, quantization {quantization}, "
           f"KV cache {'int8' if kv else dtype})")
-    return LLM(dtype=dtype, quantization=quantization, kv_cache_dtype="int8" if kv else None)
+    return LLM(MODEL, dtype=dtype, quantization=quantization, kv_cache_dtype="int8" if kv else None)
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +210,16 @@ def explain(llm, prompts, i: int, ref, got) -> tuple[bool, str]:
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_self", "draft_shipped", "medusa", "eagle", "eagle3",
-                                    "eagle3_lookup"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_self", "draft_shipped", "draft_named", "medusa",
+                                    "eagle", "eagle3", "eagle3_lookup"])
 def test_greedy_speculative_equals_plain(llm, prompts, plain, method, batch):
     if (ONLY_METHODS and method not in ONLY_METHODS) or (ONLY_BATCHES and batch not in ONLY_BATCHES):
         pytest.skip("not in SPECJAX_EXACT_METHODS / SPECJAX_EXACT_BATCHES")
+    if MODEL != "smollm2-135m" and method in ("draft_self", "draft_shipped", "medusa", "eagle", "eagle3",
+                                               "eagle3_lookup"):
+        pytest.skip(f"{method} drafts with SmolLM2's own file or heads; the target is {MODEL}")
+    if method == "draft_named" and MODEL == "smollm2-135m":
+        pytest.skip("draft_named drafts for another target (SPECJAX_EXACT_MODEL)")
     if speculative_config(method) is None:
         pytest.skip(f"no shipped draft or head for {method} in specjax/assets")
     ref = plain(batch)

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #endif
 
+#include "gguf_blocks.h"
 #include "tiles.h"
 
 namespace {
@@ -28,33 +29,6 @@ using namespace specjax_cpu;
 
 constexpr int64_t kChunk = 64;
 
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
-  if (exp == 0x1Fu) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {
-    int e = -1;
-    do { ++e; man <<= 1; } while (!(man & 0x400u));
-    bits = sign | (uint32_t(112 - e) << 23) | ((man & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-#endif
-}
 
 // 16 bytes zero-extended to 16 int32 lanes.
 inline i32x16 bytes_u(const uint8_t* p) {
@@ -210,27 +184,6 @@ struct Q8_0 {
   static void sub(const Scales& s, int, Sub& u) { u.d = s.d; }
   static f32x16 half(const uint8_t* b, const Sub& u, int, int h) { return to_f32(bytes_s(b + 2 + 16 * h)) * u.d; }
 };
-
-// The 6-bit scales and minimums of Q4_K and Q5_K, 8 pairs packed in 12 bytes, as (d * scale, -(dmin * min)):
-// both products are exact in float32 (11 x 6 significant bits). Decoded in one vector (lanes 0-7 the scales,
-// 8-15 the minimums): for j < 4 the low 6 bits of byte j (scale) or j + 4 (min); for j >= 4 a nibble of byte
-// j + 4 with the top 2 bits of byte j - 4 (scale) or j (min) above it.
-inline void k_scales(const uint8_t* b, float* scale, float* offset) {
-  u8x16 q;
-  std::memcpy(&q, b + 4, 16);  // 12 scale bytes, then 4 bytes of codes that no lane uses
-  const u8x16 a = __builtin_shuffle(q, u8x16{0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11});
-  const u8x16 t = __builtin_shuffle(q, u8x16{0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7});
-  const i32x16 a32 = __builtin_convertvector(a, i32x16), t32 = __builtin_convertvector(t, i32x16);
-  const i32x16 shift = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4};
-  const i32x16 mask = {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15};
-  const i32x16 top = {0, 0, 0, 0, -1, -1, -1, -1, 0, 0, 0, 0, -1, -1, -1, -1};
-  const i32x16 v = ((a32 >> shift) & mask) | (((t32 >> 6) << 4) & top);
-  const float d = half_to_float(b), dmin = half_to_float(b + 2);
-  const f32x16 mul = {d, d, d, d, d, d, d, d, -dmin, -dmin, -dmin, -dmin, -dmin, -dmin, -dmin, -dmin};
-  const f32x16 f = to_f32(v) * mul;
-  std::memcpy(scale, &f, 8 * sizeof(float));
-  std::memcpy(offset, reinterpret_cast<const float*>(&f) + 8, 8 * sizeof(float));
-}
 
 struct Q4_K {
   static constexpr int kValues = 256, kBytes = 144;

@@ -114,6 +114,48 @@ def test_the_validator_names_what_is_wrong():
 def test_the_table_picks_the_kernel_on_cpu_and_xla_under_an_override(monkeypatch):
     raw = jnp.asarray(_blocks("Q6_K", 8, 256))
     x = jnp.ones((1, 256), jnp.float32)
-    assert ops.select("gguf_matmul", x, raw, type_name="Q6_K").name == "kernel"
+    assert ops.select("gguf_matmul", x, raw, type_name="Q6_K").name in ("kernel", "kernel_q8")
     monkeypatch.setenv(ops.ENV, "gguf_matmul=xla")
     assert ops.select("gguf_matmul", x, raw, type_name="Q6_K").name == "xla"
+
+
+# ------------------------------------------------------------------------------ int8 activations
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", gm.Q8_TYPES)
+def test_the_int8_activation_kernel_matches_its_reference_and_is_row_invariant(type_name):
+    k = 512
+    raw = jnp.asarray(_blocks(type_name, 70, k, seed=8))
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(13, k)), jnp.float32)
+    got = np.asarray(gm.gguf_matmul_q8(x, raw, type_name))
+    want = np.asarray(gm.gguf_matmul_q8_reference(x, raw, type_name))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    exact = np.asarray(gm.gguf_matmul(x, raw, type_name))
+    assert not np.array_equal(got, exact)  # the activations really were rounded
+    alone = np.stack([np.asarray(gm.gguf_matmul_q8(x[i:i + 1], raw, type_name))[0] for i in range(13)])
+    for m in (1, 4, 7, 13):
+        np.testing.assert_array_equal(np.asarray(gm.gguf_matmul_q8(x[:m], raw, type_name)), alone[:m])
+
+
+def test_activation_rounding_is_per_32_values_and_keeps_zero_blocks_zero():
+    x = np.zeros((1, 64), np.float32)
+    x[0, 32:] = np.linspace(-2.0, 1.0, 32)
+    q, d = gm.quantize_activations(jnp.asarray(x))
+    q, d = np.asarray(q), np.asarray(d)
+    assert d[0, 0] == 0 and not q[0, :32].any()
+    assert d[0, 1] == np.float32(2.0) / np.float32(127.0) and q[0, 32] == -127
+    np.testing.assert_allclose(q[0, 32:] * d[0, 1], x[0, 32:], atol=d[0, 1] / 2 + 1e-7)
+
+
+@needs_kernels
+def test_the_table_prefers_the_int8_kernel_only_where_the_cpu_has_vnni(monkeypatch):
+    raw = jnp.asarray(_blocks("Q4_K", 8, 256))
+    x = jnp.ones((1, 256), jnp.float32)
+    monkeypatch.setattr(gm, "cpu_flags", lambda: ("avx512_vnni", "avx512bw", "avx512vl"))
+    assert ops.select("gguf_matmul", x, raw, type_name="Q4_K").name == "kernel_q8"
+    monkeypatch.setattr(gm, "cpu_flags", lambda: ("avx2",))
+    assert ops.select("gguf_matmul", x, raw, type_name="Q4_K").name == "kernel"
+    raw5 = jnp.asarray(_blocks("Q5_K", 8, 256))
+    monkeypatch.setattr(gm, "cpu_flags", lambda: ("avx512_vnni", "avx512bw", "avx512vl"))
+    assert ops.select("gguf_matmul", x, raw5, type_name="Q5_K").name == "kernel"  # not an int8 format

@@ -403,13 +403,14 @@ def _kquant_gguf(tmp_path, types: dict):
 
 
 KQUANT_MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q4_K",
-              "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+              "ffn_up": "Q4_K", "ffn_down": "Q6_K"}  # Q5_K: the int8 kernel does not take it, so both kernels run
 
 
 @needs_kernel
-def test_kquant_projections_are_kept_as_stored_and_equal_the_dequantized_float32_model(tmp_path):
+def test_kquant_projections_are_kept_as_stored_and_equal_the_dequantized_float32_model(tmp_path, monkeypatch):
     from specjax.models.loading import load_model
 
+    monkeypatch.setenv(ops.ENV, "gguf_matmul=kernel")  # float32 activations: the dequantized model's products
     _, path = _kquant_gguf(tmp_path, KQUANT_MIX)
     ref = load_model(path, with_tokenizer=False)
     native = load_model(path, with_tokenizer=False, quantization="gguf")
@@ -433,10 +434,12 @@ def test_kquant_projections_are_kept_as_stored_and_equal_the_dequantized_float32
 
 
 @needs_kernel
+@pytest.mark.parametrize("kernel", ["kernel", "kernel_q8"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_greedy_speculation_equals_plain_over_kquant_weights(tmp_path, method):
+def test_greedy_speculation_equals_plain_over_kquant_weights(tmp_path, method, kernel, monkeypatch):
     from specjax.models.loading import load_model
 
+    monkeypatch.setenv(ops.ENV, f"gguf_matmul={kernel}")  # float32 or int8 activations
     cfg, path = _kquant_gguf(tmp_path, KQUANT_MIX)
     native = load_model(path, with_tokenizer=False, quantization="gguf")
     params = native.params

@@ -1,0 +1,354 @@
+// specjax CPU kernel: y[M, N] = q8(x)[M, K] . dequantize(w)[N, K]^T for GGUF weights kept as stored (Q4_K, Q6_K,
+// Q5_0, Q8_0), with each token's activations rounded to int8, 32 values a scale, as llama.cpp's CPU backend does:
+// the products of codes and activations then run as integer dot products (AVX-512 VNNI: 4 products a lane and
+// instruction), several times fewer instructions than decoding every weight to float32 (gguf_matmul.cc).
+//
+// It changes the model's numbers (activations are rounded, as in llama.cpp), so it is a separate implementation
+// in the kernel table. Greedy speculation stays exact because nothing depends on the other rows of a call:
+//   - a token's int8 activations, scales and sums are a function of that token's row only;
+//   - integer dot products are exact; each 32-value sub-block's integer sum is converted and multiplied into a
+//     float32 accumulator in a fixed order per (token, weight row), the same whatever the number of tokens;
+// so a plain decode step, a verify block and a draft step give each token the same bits.
+//
+// Per sub-block j of 32 values and token t (dx: the activation scale, xq: the int8 activations):
+//   codes c in [0, 2^b) as unsigned bytes, the format's value is s * (c - o) (- m for Q4_K), so
+//   sum_i w_i x_i = s dx_t (sum_i c_i xq_i - o sum_i xq_i) - m dx_t sum_i xq_i.
+// The offset o (32 for Q6_K, 16 for Q5_0, 128 for Q8_0 whose signed codes are shifted to unsigned) enters as the
+// dot product's initial value -o * (sum of each lane's 4 activations), so it costs no instruction of its own.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "gguf_blocks.h"
+#include "tiles.h"
+
+namespace {
+
+using namespace specjax_cpu;
+
+constexpr int64_t kChunk = 64;
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef int8_t s8x32 __attribute__((vector_size(32)));
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define SPECJAX_Q8_VNNI 1
+#endif
+
+// acc + per lane i: sum over k < 4 of c[4i + k] (unsigned) * x[4i + k] (signed): exact in int32.
+inline i32x8 dot4(i32x8 acc, u8x32 c, s8x32 x) {
+#if defined(SPECJAX_Q8_VNNI)
+  __m256i a, cc, xx;
+  std::memcpy(&a, &acc, 32);
+  std::memcpy(&cc, &c, 32);
+  std::memcpy(&xx, &x, 32);
+  const __m256i r = _mm256_dpbusd_epi32(a, cc, xx);
+  i32x8 out;
+  std::memcpy(&out, &r, 32);
+  return out;
+#else
+  for (int i = 0; i < 8; ++i)
+    for (int k = 0; k < 4; ++k) acc[i] += int32_t(c[4 * i + k]) * int32_t(x[4 * i + k]);
+  return acc;
+#endif
+}
+
+inline f32x8 to_f32x8(i32x8 v) { return __builtin_convertvector(v, f32x8); }
+
+inline float hsum8(f32x8 v) {
+  typedef float f32x4 __attribute__((vector_size(16)));
+  const f32x4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+inline u8x32 load32(const uint8_t* p) {
+  u8x32 v;
+  std::memcpy(&v, p, 32);
+  return v;
+}
+
+// --------------------------------------------------------------------------------------- the activations
+// One token row of K values, rounded per 32 values: dx = max|x| / 127, xq = round-to-nearest-even(x / dx).
+struct Q8Row {
+  const int8_t* xq;     // [K]
+  const float* dx;      // [K / 32]
+  const float* dxsum;   // [K / 32]: dx * (sum of the block's xq), for Q4_K's minimums
+  const int32_t* neg4;  // [K / 4]: -(sum of each 4 consecutive xq), the offset's initial value
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* dxsum, int32_t* neg4) {
+  for (int64_t t = 0; t < M; ++t) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* v = x + t * K + 32 * b;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int32_t sum = 0;
+      int8_t* q = xq + t * K + 32 * b;
+      for (int i = 0; i < 32; ++i) {
+        float r = std::nearbyint(v[i] * id);
+        r = std::fmin(127.0f, std::fmax(-127.0f, r));
+        q[i] = int8_t(r);
+        sum += q[i];
+      }
+      for (int l = 0; l < 8; ++l) neg4[t * (K / 4) + 8 * b + l] = -(q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+      dx[t * (K / 32) + b] = d;
+      dxsum[t * (K / 32) + b] = d * float(sum);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------- the formats
+// Each: kValues / kBytes per block; Scales per block and row; sub(b, s, j, out): sub-block j's 32 codes as
+// unsigned bytes and its lane scales (8 floats: lanes 4i..4i+3 of the dot product hold values 4i..4i+3), and
+// kShift: the code offset o = 2^kShift (0: none); kMin: whether the format subtracts a minimum (Q4_K).
+
+#if defined(SPECJAX_Q8_VNNI)
+inline u8x32 from_m256(__m256i v) {
+  u8x32 out;
+  std::memcpy(&out, &v, 32);
+  return out;
+}
+inline __m256i to_m256(u8x32 v) {
+  __m256i out;
+  std::memcpy(&out, &v, 32);
+  return out;
+}
+// Bytes shifted right by n within 16-bit lanes, then masked: x86 has no byte shift.
+inline u8x32 shr_mask(u8x32 v, int n, int mask) {
+  return from_m256(_mm256_and_si256(_mm256_srli_epi16(to_m256(v), n), _mm256_set1_epi8(char(mask))));
+}
+inline u8x32 shl_mask(u8x32 v, int n, int mask) {
+  return from_m256(_mm256_and_si256(_mm256_slli_epi16(to_m256(v), n), _mm256_set1_epi8(char(mask))));
+}
+#else
+inline u8x32 shr_mask(u8x32 v, int n, int mask) { return (v >> n) & mask; }
+inline u8x32 shl_mask(u8x32 v, int n, int mask) { return (v << n) & mask; }
+#endif
+inline u8x32 nibbles_lo(u8x32 v) { return v & 15; }
+inline u8x32 nibbles_hi(u8x32 v) { return shr_mask(v, 4, 15); }
+
+struct Q4_K8 {
+  static constexpr int kValues = 256, kBytes = 144, kShift = 0;
+  static constexpr bool kMin = true;
+  struct Scales { float scale[8], minimum[8]; };
+  static void scales(const uint8_t* b, Scales& s) {
+    k_scales(b, s.scale, s.minimum);  // the minimums come negated: subtracted below as added
+  }
+  static u8x32 codes(const uint8_t* b, int j) {
+    const u8x32 v = load32(b + 16 + 32 * (j / 2));
+    return (j & 1) ? nibbles_hi(v) : nibbles_lo(v);
+  }
+  static f32x8 lane_scale(const Scales& s, int j) { return f32x8{} + s.scale[j]; }
+  static float minimum(const Scales& s, int j) { return s.minimum[j]; }
+};
+
+struct Q6_K8 {
+  static constexpr int kValues = 256, kBytes = 210, kShift = 5;
+  static constexpr bool kMin = false;
+  struct Scales { float s[16]; };
+  static void scales(const uint8_t* b, Scales& s) {
+#if defined(__AVX512F__)
+    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    _mm512_storeu_ps(s.s, _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(half_to_float(b + 208))));
+#else
+    const float d = half_to_float(b + 208);
+    for (int i = 0; i < 16; ++i) s.s[i] = d * float(int8_t(b[192 + i]));
+#endif
+  }
+  static u8x32 codes(const uint8_t* b, int j) {
+    const int part = j / 4, jj = j % 4;
+    const u8x32 ql = load32(b + 64 * part + 32 * (jj & 1));
+    const u8x32 qh = load32(b + 128 + 32 * part);
+    const u8x32 low = (jj >> 1) ? nibbles_hi(ql) : nibbles_lo(ql);
+    // bits 2jj, 2jj + 1 of qh moved to bits 4, 5
+    const u8x32 high = 2 * jj <= 4 ? shl_mask(qh, 4 - 2 * jj, 0x30) : shr_mask(qh, 2 * jj - 4, 0x30);
+    return low | high;
+  }
+  static f32x8 lane_scale(const Scales& s, int j) {
+    const float a = s.s[2 * j], c = s.s[2 * j + 1];
+    return f32x8{a, a, a, a, c, c, c, c};
+  }
+  static float minimum(const Scales&, int) { return 0.0f; }
+};
+
+struct Q5_08 {
+  static constexpr int kValues = 32, kBytes = 22, kShift = 4;
+  static constexpr bool kMin = false;
+  struct Scales { float d; };
+  static void scales(const uint8_t* b, Scales& s) { s.d = half_to_float(b); }
+  static u8x32 codes(const uint8_t* b, int) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+#if defined(SPECJAX_Q8_VNNI)
+    // values 0-15: low nibbles, 16-31: high nibbles; bit i of qh is the 5th bit of value i.
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(qs), _mm_srli_epi16(qs, 4), 1);
+    const __m256i low = _mm256_and_si256(both, _mm256_set1_epi8(15));
+    return from_m256(_mm256_or_si256(low, _mm256_maskz_mov_epi8(__mmask32(qh), _mm256_set1_epi8(16))));
+#else
+    uint8_t qs[16];
+    std::memcpy(qs, b + 6, 16);
+    u8x32 c;
+    for (int i = 0; i < 16; ++i) {
+      c[i] = uint8_t((qs[i] & 15) | (((qh >> i) & 1) << 4));
+      c[i + 16] = uint8_t((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+    }
+    return c;
+#endif
+  }
+  static f32x8 lane_scale(const Scales& s, int) { return f32x8{} + s.d; }
+  static float minimum(const Scales&, int) { return 0.0f; }
+};
+
+struct Q8_08 {
+  static constexpr int kValues = 32, kBytes = 34, kShift = 7;
+  static constexpr bool kMin = false;
+  struct Scales { float d; };
+  static void scales(const uint8_t* b, Scales& s) { s.d = half_to_float(b); }
+  static u8x32 codes(const uint8_t* b, int) { return load32(b + 2) ^ 0x80; }  // int8 code + 128
+  static f32x8 lane_scale(const Scales& s, int) { return f32x8{} + s.d; }
+  static float minimum(const Scales&, int) { return 0.0f; }
+};
+
+// R weight rows x TC tokens. Per sub-block: each row's codes once, then for every token one integer dot product
+// (started from the offset's correction), converted and multiplied by the lane scales times the token's dx into
+// that (row, token)'s accumulator; Q4_K's minimum term goes to a scalar accumulator in the same order.
+template <typename F>
+struct Q8Weights {
+  template <int R, int TC>
+  static void tile(const Q8Row* __restrict xr, const uint8_t* __restrict w, float* __restrict y, int64_t K,
+                   int64_t N, int64_t o) {
+    const int64_t blocks = K / F::kValues, row_bytes = blocks * F::kBytes;
+    f32x8 acc[R][TC];
+    float macc[R][TC];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < TC; ++t) {
+        acc[r][t] = f32x8{};
+        macc[r][t] = 0.0f;
+      }
+    for (int64_t g = 0; g < blocks; ++g) {
+      typename F::Scales s[R];
+      const uint8_t* b[R];
+      for (int r = 0; r < R; ++r) {
+        b[r] = w + (o + r) * row_bytes + g * F::kBytes;
+        for (int off = 0; off < F::kBytes; off += 64) __builtin_prefetch(b[r] + R * row_bytes + off, 0, 2);
+        F::scales(b[r], s[r]);
+      }
+      for (int j = 0; j < F::kValues / 32; ++j) {
+        const int64_t k = g * F::kValues + 32 * j, blk = k / 32;
+        u8x32 c[R];
+        f32x8 ls[R];
+        for (int r = 0; r < R; ++r) {
+          c[r] = F::codes(b[r], j);
+          ls[r] = F::lane_scale(s[r], j);
+        }
+        for (int t = 0; t < TC; ++t) {
+          s8x32 xv;
+          std::memcpy(&xv, xr[t].xq + k, 32);
+          i32x8 init = i32x8{};
+          if constexpr (F::kShift > 0) {
+            std::memcpy(&init, xr[t].neg4 + k / 4, 32);
+            init = init << F::kShift;
+          }
+          const float dx = xr[t].dx[blk];
+          for (int r = 0; r < R; ++r) {
+            const i32x8 p = dot4(init, c[r], xv);
+            acc[r][t] += to_f32x8(p) * (ls[r] * dx);
+            if constexpr (F::kMin) macc[r][t] += F::minimum(s[r], j) * xr[t].dxsum[blk];  // -(dmin m) dx sum
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < TC; ++t) y[t * N + o + r] = hsum8(acc[r][t]) + macc[r][t];
+  }
+};
+
+// All M tokens against weight rows [a, b), in token tiles of at most kMaxTokens (the same split as tiles.h).
+template <typename F, int R>
+void rows_tile_q8(const Q8Row* xr, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t o) {
+  const int64_t tiles = (M + kMaxTokens - 1) / kMaxTokens;
+  int64_t t0 = 0;
+  for (int64_t c = 0; c < tiles; ++c) {
+    const int tc = int((M - t0) / (tiles - c));
+    const Q8Row* xx = xr + t0;
+    float* yy = y + t0 * N;
+    switch (tc) {
+      case 1: Q8Weights<F>::template tile<R, 1>(xx, w, yy, K, N, o); break;
+      case 2: Q8Weights<F>::template tile<R, 2>(xx, w, yy, K, N, o); break;
+      case 3: Q8Weights<F>::template tile<R, 3>(xx, w, yy, K, N, o); break;
+      case 4: Q8Weights<F>::template tile<R, 4>(xx, w, yy, K, N, o); break;
+      case 5: Q8Weights<F>::template tile<R, 5>(xx, w, yy, K, N, o); break;
+      default: Q8Weights<F>::template tile<R, 6>(xx, w, yy, K, N, o); break;
+    }
+    t0 += tc;
+  }
+}
+
+template <typename F>
+void run(ffi::ThreadPool& pool, const Q8Row* xr, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t chunks = (N + kChunk - 1) / kChunk;
+  parallel_items(pool, chunks, true, [=](int64_t c) {
+    const int64_t lo = c * kChunk, hi = std::min(N, lo + kChunk);
+    int64_t o = lo;
+    for (; o + kRows <= hi; o += kRows) rows_tile_q8<F, kRows>(xr, w, y, M, K, N, o);
+    for (; o < hi; ++o) rows_tile_q8<F, 1>(xr, w, y, M, K, N, o);
+  });
+}
+
+enum : int64_t { kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+
+ffi::Error GgufMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks,
+                            ffi::ResultBuffer<ffi::F32> y, int64_t type) {
+  const auto xd = x.dimensions();
+  const auto bd = blocks.dimensions();
+  if (xd.size() != 2 || bd.size() != 2)
+    return ffi::Error::InvalidArgument("gguf_matmul_q8: x and blocks must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = bd[0];
+  int64_t values, bytes;
+  switch (type) {
+    case kQ5_0: values = 32; bytes = 22; break;
+    case kQ8_0: values = 32; bytes = 34; break;
+    case kQ4_K: values = 256; bytes = 144; break;
+    case kQ6_K: values = 256; bytes = 210; break;
+    default: return ffi::Error::InvalidArgument("gguf_matmul_q8: type must be Q5_0, Q8_0, Q4_K or Q6_K");
+  }
+  if (K % values) return ffi::Error::InvalidArgument("gguf_matmul_q8: K is not a whole number of blocks");
+  if (bd[1] != (K / values) * bytes) return ffi::Error::InvalidArgument("gguf_matmul_q8: row bytes disagree with K");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * (K / 32)), dxsum(M * (K / 32));
+  std::vector<int32_t> neg4(M * (K / 4));
+  quantize_rows(x.typed_data(), M, K, xq.data(), dx.data(), dxsum.data(), neg4.data());
+  std::vector<Q8Row> rows(M);
+  for (int64_t t = 0; t < M; ++t)
+    rows[t] = Q8Row{xq.data() + t * K, dx.data() + t * (K / 32), dxsum.data() + t * (K / 32),
+                    neg4.data() + t * (K / 4)};
+  const uint8_t* wp = blocks.typed_data();
+  float* yp = y->typed_data();
+  switch (type) {
+    case kQ5_0: run<Q5_08>(pool, rows.data(), wp, yp, M, K, N); break;
+    case kQ8_0: run<Q8_08>(pool, rows.data(), wp, yp, M, K, N); break;
+    case kQ4_K: run<Q4_K8>(pool, rows.data(), wp, yp, M, K, N); break;
+    case kQ6_K: run<Q6_K8>(pool, rows.data(), wp, yp, M, K, N); break;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxGgufMatmulQ8, GgufMatmulQ8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("type"));
