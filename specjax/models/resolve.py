@@ -37,7 +37,7 @@ from specjax.models.gguf_file import SPLIT_NAME
 from specjax.models.loading import ModelFiles, ModelLoadError
 from specjax.models.safe_files import is_pickle_name, pickle_refusal
 
-__all__ = ["ALIASES", "PART_MODELS", "PackagedFile", "PartModel", "assemble", "cached_path", "parse_hub_id",
+__all__ = ["ALIASES", "PAIRED_DRAFTS", "PART_MODELS", "paired_draft", "PackagedFile", "PartModel", "assemble", "cached_path", "parse_hub_id",
            "resolve"]
 
 
@@ -133,6 +133,16 @@ ALIASES = {
     "qwen2.5-coder-0.5b": QWEN_CODER_05B,
     "qwen2.5-coder-0.5b-instruct": QWEN_CODER_05B,
 }
+
+# The draft model each packaged target speculates with when a draft_model config names `model: auto`.
+PAIRED_DRAFTS = {SMOLLM2.name: "assets/smollm2-135m-draft", QWEN_CODER_15B.name: "qwen2.5-coder-0.5b"}
+
+
+def paired_draft(target) -> str | None:
+    """The draft model paired with a target named by its alias (None for a target without one)."""
+    found = ALIASES.get(str(target).strip().lower()) if isinstance(target, (str, os.PathLike)) else None
+    return PAIRED_DRAFTS.get(found.name) if found is not None else None
+
 
 SIDECAR_SUFFIX = ".verified.json"
 _SIDECAR_FORMAT = 1
