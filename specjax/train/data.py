@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kv_cache import init_cache
+from specjax.sampling import process_logits, sample
 from specjax.sampling import top_k as top_k_two_stage
 from specjax.models.llama import LlamaConfig, forward
 from specjax.train.common import progress_bar
@@ -102,10 +103,11 @@ def generate_batch(params: dict, config: LlamaConfig, prompts: jax.Array, prompt
         i, cache, logits, done, toks, tk_ids, tk_lp, fbuf = carry
         logp = jax.nn.log_softmax(logits, axis=-1)  # [B, V] the target's own distribution (T = 1)
         lp, ix = top_k_two_stage(logp, top_k)
-        step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, i)
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        sampled = jax.vmap(jax.random.categorical)(step_keys, scaled)
-        tok = jnp.where(temperature > 0, sampled, ix[:, 0]).astype(jnp.int32)
+        # specjax's one sampler (`sampling.process_logits` + `sampling.sample`, inverse CDF), on one uniform per
+        # row from the row's own key; greedy rows keep the top-1 of the recorded top-k.
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, i)))(keys)
+        probs = process_logits(logits, temperature, jnp.zeros(B, jnp.int32), jnp.ones(B, jnp.float32))
+        tok = jnp.where(temperature > 0, sample(probs, u), ix[:, 0]).astype(jnp.int32)
         tok = jnp.where(done, -1, tok)
         toks = toks.at[:, i].set(tok)
         tk_ids = tk_ids.at[:, i].set(ix)
