@@ -229,12 +229,18 @@ GgufMatmulInputError on inputs the kernel does not take, KernelBuildError withou
 # ------------------------------------------------------------------------------ int8 activations (as llama.cpp)
 
 
-def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., K] float -> (int8 codes [..., K], scales [..., K / 32] float32): per 32 values d = max|x| / 127 and
-    codes round-to-nearest-even(x * (1 / d)), clipped to +-127 (0 where the block is all zeros), as the kernel
-    computes them."""
+def activation_block(type_name: str) -> int:
+    """Values per int8 activation scale: 256 for the K-quants (their sub-block scales then multiply integer
+    sums, as llama.cpp's Q8_K), 32 otherwise."""
+    return TYPES[type_name].values
+
+
+def quantize_activations(x: jax.Array, block: int = Q8_BLOCK) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] float -> (int8 codes [..., K], scales [..., K / block] float32): per `block` values
+    d = max|x| / 127 and codes round-to-nearest-even(x * (1 / d)), clipped to +-127 (0 where the block is all
+    zeros), as the kernel computes them."""
     x = x.astype(jnp.float32)
-    b = x.reshape(*x.shape[:-1], x.shape[-1] // Q8_BLOCK, Q8_BLOCK)
+    b = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     d = jnp.max(jnp.abs(b), axis=-1) / jnp.float32(127.0)
     inv = jnp.where(d != 0, jnp.float32(1.0) / jnp.where(d != 0, d, 1.0), 0.0)
     q = jnp.clip(jnp.round(b * inv[..., None]), -127, 127).astype(jnp.int8)
@@ -242,10 +248,12 @@ def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def gguf_matmul_q8_reference(x: jax.Array, blocks: jax.Array, type_name: str) -> jax.Array:
-    """The int8-activation product in plain jnp: x rounded by `quantize_activations`, times the dequantized
-    weight, in float32 (the kernel sums in another order: equal up to float32 rounding)."""
-    q, d = quantize_activations(x)
-    xr = (q.astype(jnp.float32).reshape(*q.shape[:-1], -1, Q8_BLOCK) * d[..., None]).reshape(x.shape)
+    """The int8-activation product in plain jnp: x rounded by `quantize_activations` (per
+    `activation_block(type_name)` values), times the dequantized weight, in float32 (the kernel sums in another
+    order: equal up to float32 rounding)."""
+    block = activation_block(type_name)
+    q, d = quantize_activations(x, block)
+    xr = (q.astype(jnp.float32).reshape(*q.shape[:-1], -1, block) * d[..., None]).reshape(x.shape)
     return gguf_matmul_reference(xr, blocks, type_name)
 
 
@@ -283,7 +291,7 @@ gguf_matmul_q8.__doc__ = """q8(x) [..., K] . dequantize(blocks)^T -> [..., N] fl
 kernel (CPU only), x rounded as `quantize_activations` does."""
 
 
-__all__ = ["FFI_TARGET_Q8", "Q8_FLAGS", "Q8_TYPES", "gguf_matmul_q8", "gguf_matmul_q8_reference",
+__all__ = ["FFI_TARGET_Q8", "Q8_FLAGS", "Q8_TYPES", "activation_block", "gguf_matmul_q8", "gguf_matmul_q8_reference",
            "q8_is_supported", "q8_kernel_gguf_matmul", "q8_prefers", "quantize_activations",
 "BlockType", "FFI_TARGET", "GgufMatmulInputError", "TYPES", "block_type", "dequantize", "gguf_matmul",
            "gguf_matmul_reference", "is_supported", "kernel_gguf_matmul", "row_bytes", "validate_gguf_matmul_inputs",

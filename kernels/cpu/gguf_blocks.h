@@ -78,6 +78,35 @@ inline void k_scales(const uint8_t* b, float* scale, float* offset) {
 #endif
 }
 
+// The same 6-bit scales and minimums as integers: scale[0..7] (scale has room for 16: the upper 8 are
+// written with the minimums, which callers ignore) and minimum[0..7].
+inline void k_scales_int(const uint8_t* b, int16_t* scale, int16_t* minimum) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+  const __m128i a = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i t = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7));
+  const __m256i a16 = _mm256_cvtepu8_epi16(a), t16 = _mm256_cvtepu8_epi16(t);
+  const __m256i shift = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
+  const __m256i mask = _mm256_setr_epi16(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m256i top = _mm256_setr_epi16(0, 0, 0, 0, -1, -1, -1, -1, 0, 0, 0, 0, -1, -1, -1, -1);
+  const __m256i v = _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi16(a16, shift), mask),
+                                    _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(t16, 6), 4), top));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(scale), v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(minimum), _mm256_extracti128_si256(v, 1));
+#else
+  const uint8_t* q = b + 4;
+  for (int j = 0; j < 8; ++j) {
+    if (j < 4) {
+      scale[j] = q[j] & 63;
+      minimum[j] = q[j + 4] & 63;
+    } else {
+      scale[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+      minimum[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+  }
+#endif
+}
+
 }  // namespace specjax_cpu
 
 #endif  // SPECJAX_KERNELS_CPU_GGUF_BLOCKS_H_

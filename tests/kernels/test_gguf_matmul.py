@@ -146,6 +146,9 @@ def test_activation_rounding_is_per_32_values_and_keeps_zero_blocks_zero():
     assert d[0, 0] == 0 and not q[0, :32].any()
     assert d[0, 1] == np.float32(2.0) / np.float32(127.0) and q[0, 32] == -127
     np.testing.assert_allclose(q[0, 32:] * d[0, 1], x[0, 32:], atol=d[0, 1] / 2 + 1e-7)
+    assert gm.activation_block("Q4_K") == gm.activation_block("Q6_K") == 256 and gm.activation_block("Q5_0") == 32
+    q256, d256 = gm.quantize_activations(jnp.asarray(np.tile(x, (1, 4))), 256)
+    assert d256.shape == (1, 1) and np.asarray(d256)[0, 0] == d[0, 1]
 
 
 @needs_kernels
