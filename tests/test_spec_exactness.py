@@ -3,7 +3,8 @@
 SmolLM2-135M-Instruct (float32) on 40 Spec-Bench prompts (first turn, chat template; the first three of every
 category, then a fourth in category order), 128 new tokens, at batch 1 and batch 4 (10 batches of 4, prompts
 grouped by length), for every drafter: n-gram (gamma 4), suffix decoding (8 nodes, host-side trees), a
-draft model (the target's own GGUF file loaded as the draft; the shipped draft in specjax/assets), and the tree
+draft model (the target's own GGUF file loaded as the draft; the shipped draft in specjax/assets, and its cheap
+variants: p_min 0.5, a 4096-token trimmed vocabulary, int4 requantized, n-gram lookup merged in), and the tree
 methods with the heads shipped in specjax/assets and the trees of configs/methods/{medusa,eagle,eagle3}.yaml,
 and eagle3_lookup.yaml (the EAGLE-3 tree with an n-gram lookup branch merged in).
 
@@ -55,6 +56,9 @@ TIE_GAP = 1e-4
 WIDTHS = (128, 1024)  # prompt buckets; the KV capacity of each is the next multiple of 128 that fits
 MAX_NODES = 33  # verify slots reserved beyond prompt + MAX_NEW (EAGLE's default tree: 32 drafted + the root)
 SHIPPED_DRAFT = "assets/smollm2-135m-draft"
+# adaptive chain length, a trimmed vocabulary, every matrix requantized to int4, n-gram lookup merged in
+CHEAP_DRAFTS = {"draft_pmin": dict(p_min=0.5), "draft_trim": dict(draft_vocab_size=4096),
+                "draft_int4": dict(quantization="int4"), "draft_lookup": dict(lookup_tokens=6)}
 _T0 = time.perf_counter()
 
 
@@ -81,6 +85,12 @@ def speculative_config(method: str) -> SpeculativeConfig | None:
         path = shipped_draft_path()
         return None if path is None else SpeculativeConfig(method="draft_model", model=path,
                                                             num_speculative_tokens=4)
+    if method in CHEAP_DRAFTS:
+        # the draft's cheap variants (specjax.drafters.draft_model): the shipped draft for SmolLM2, the named draft
+        # (SPECJAX_EXACT_DRAFT) for another target
+        path = shipped_draft_path() if MODEL == "smollm2-135m" else DRAFT
+        return None if path is None else SpeculativeConfig(method="draft_model", model=path,
+                                                            num_speculative_tokens=4, **CHEAP_DRAFTS[method])
     if method in ("medusa", "eagle", "eagle3", "eagle3_lookup"):
         # the heads shipped for SmolLM2 with the trees of configs/methods/<method>.yaml
         return shipped_heads_config(method)
@@ -211,7 +221,7 @@ def explain(llm, prompts, i: int, ref, got) -> tuple[bool, str]:
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_self", "draft_shipped", "draft_named", "medusa",
-                                    "eagle", "eagle3", "eagle3_lookup"])
+                                    "eagle", "eagle3", "eagle3_lookup", *CHEAP_DRAFTS])
 def test_greedy_speculative_equals_plain(llm, prompts, plain, method, batch):
     if (ONLY_METHODS and method not in ONLY_METHODS) or (ONLY_BATCHES and batch not in ONLY_BATCHES):
         pytest.skip("not in SPECJAX_EXACT_METHODS / SPECJAX_EXACT_BATCHES")

@@ -176,7 +176,11 @@ class DraftModelDrafter(DrafterBase):
             q = jax.lax.dynamic_update_index_in_dim(q, qk, k, axis=1)
             return k + 1, o.cache._replace(lengths=cache.lengths + 1), xk, alive, drafted, valid, q
 
-        _, cache, _, _, drafted, valid, q = jax.lax.while_loop(more, body, carry)
+        if ctx.allow_cond:
+            _, cache, _, _, drafted, valid, q = jax.lax.while_loop(more, body, carry)
+        else:
+            # Compile policies without data-dependent control flow (Neuron): a fixed trip count, every forward run.
+            _, cache, _, _, drafted, valid, q = jax.lax.fori_loop(1, g, lambda _, c: body(c), carry)
         tokens = jnp.concatenate([ctx.last_token[:, None], drafted], axis=1)
         parents = jnp.broadcast_to(jnp.asarray(self.tree.parents_array), (B, g + 1))
         valid = jnp.concatenate([jnp.ones((B, 1), bool), valid], axis=1)

@@ -23,7 +23,7 @@ from specjax.backoff import (NO_LIMIT, Adaptive, adaptive_rule, backoff_decide, 
 from specjax.buckets import make_buckets
 from specjax.config import SpeculativeConfig
 from specjax.drafters.base import Proposal
-from specjax.drafters.build import build_drafter
+from specjax.drafters.build import SpeculativeConfigError, build_drafter
 from specjax.requests import spec_metrics
 from specjax.runners.base import (SPEC_STREAM_CHUNK, DeviceVariant, chunk_views, generate as run_variant, run_to_end,
                                   stream_events)
@@ -33,11 +33,29 @@ def drafter_for(llm, spec: SpeculativeConfig) -> tuple:
     """(drafter, dparams) for a config, built once per LLM (`llm.runtime`), so repeated calls reuse weights and
     compilations. Configs that differ only in `p_min` share one build: p_min is a traced value in dparams, so
     the tuner's sweep over it loads no weights and compiles nothing."""
+    spec = with_paired_draft(llm, spec)
     base = dataclasses.replace(spec, p_min=0.0) if spec.p_min else spec
     drafter, dparams = llm.runtime.drafter(base, lambda: build_drafter(base, llm.params, llm.config, llm.dtype))
     if spec.p_min:
         dparams = {**dparams, "p_min": jnp.float32(spec.p_min)}
     return drafter, dparams
+
+
+def with_paired_draft(llm, spec: SpeculativeConfig) -> SpeculativeConfig:
+    """A draft_model config naming `model: auto` -> the draft paired with the target (`resolve.PAIRED_DRAFTS`),
+    loaded as its GGUF blocks when the target keeps its own (quantization 'gguf') and the config names none."""
+    if spec.method != "draft_model" or str(spec.model).strip().lower() != "auto":
+        return spec
+    from specjax.models.resolve import PAIRED_DRAFTS, paired_draft
+
+    draft = paired_draft(llm.model_spec)
+    if draft is None:
+        raise SpeculativeConfigError(f"model 'auto' drafts with the model paired with the target, but "
+                                     f"{llm.model_spec!r} has none (pairs: {PAIRED_DRAFTS}); name the draft model")
+    quantization = spec.quantization
+    if quantization is None and llm.quantization == "gguf" and not draft.startswith("assets/"):
+        quantization = "gguf"
+    return dataclasses.replace(spec, model=draft, quantization=quantization)
 
 
 class SpecVariant(DeviceVariant):
@@ -360,7 +378,14 @@ def host_steps(llm, drafter, dparams, state, sampling, n, host=None, adaptive=No
         if adaptive is not None and not np.any(had):
             draft_t += t2 - t
             state = plain(state)
-            idle += 1
+            if host is not None:
+                # A host-side drafter's miss is no free plain step: it paid the host's proposal and a host sync
+                # per token. Counted as a step that gained nothing, a row that keeps missing backs off, and its
+                # stretch of plain steps then runs on the device (`backed_off_steps`) until a probe.
+                gain, idle, gap = backoff_update(adaptive, floor, gain, g, idle, gap, want & running,
+                                                 np.zeros(B), xp=np)
+            else:
+                idle += 1
         else:
             before = np.asarray(state.stats.accepted)
             tree = drafter.tree

@@ -14,6 +14,9 @@ for every shorter gamma.
 
 Tree drafters (medusa, eagle, eagle3): a size s is s drafted nodes (root excluded); acceptance is measured at
 every size, and a step yields E[tokens | s] = 1 + accepted / verify step at a cost of t_draft(s) + t_verify(s + 1).
+A draft model's p_min is predicted the same way (`predict_tree` over settings keyed by candidate): it cuts chains
+where the draft is unsure, which changes both the tokens per step and the draft's cost per step (the draft stops
+its forwards once every row has stopped), so neither can be read off the run at p_min = 0.
 
 Plain decoding is a candidate too (setting OFF = 0, speedup 1 by definition): where nothing is predicted to pay,
 `choose` picks no speculation.
