@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from specjax.tools import tune
-from specjax.config import SpeculativeConfig
+from specjax.config import SamplingParams, SpeculativeConfig
 from specjax.drafters.medusa import DEFAULT_CHOICES, choices_from_accuracy
 from specjax.tree import from_choices
 
@@ -313,3 +313,29 @@ def test_loop_costs_time_forced_verify_steps(monkeypatch):
 def test_cost_prompts_are_the_ones_with_most_verify_steps():
     acc = tune.Acceptance(per_prompt_verify_steps=[3, 0, 9, 5])
     assert tune.cost_prompts(["a", "b", "c", "d"], acc, 2) == ["c", "d"]
+
+
+def test_tune_p_min_sweeps_candidates_on_one_draft_build(tmp_path):
+    """p_min candidates share one drafter build and one compiled loop (p_min is traced); every candidate gets a
+    measured acceptance, a timed step and a prediction, and the chosen one is among them."""
+    from spec_helpers import save_hf_llama
+    from specjax import spec_engine
+
+    tc = tiny_config(64)
+    tp = tiny_params(tc, seed=0)
+    dc = tiny_config(64, num_layers=1)
+    dp = tiny_params(dc, seed=1)
+    dp["embed"], dp["lm_head"] = tp["embed"], tp["lm_head"]
+    path = save_hf_llama(str(tmp_path / "draft"), dc, dp)
+    llm = tiny_llm(tc, tp)
+    llm.encode_prompt = lambda p, chat=True: list(p)
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    r = tune.tune_p_min(llm, SpeculativeConfig(method="draft_model", model=path), 3, [[7, 3, 9, 12, 40]],
+                        [0.0, 0.3], sp, log=lambda *a: None, reps=1, num_cost_prompts=1)
+    loops = spec_engine.spec_loop._cache_size()
+    assert r["chosen_p_min"] in (0.0, 0.3) and sorted(r["prediction"]) == [0.0, 0.3]
+    assert set(r["costs"]["step_s"]) == {0.0, 0.3} and all(t > 0 for t in r["costs"]["step_s"].values())
+    assert r["acceptance"][0.3]["drafted"] <= r["acceptance"][0.0]["drafted"]
+    tune.tune_p_min(llm, SpeculativeConfig(method="draft_model", model=path), 3, [[7, 3, 9, 12, 40]], [0.6], sp,
+                    log=lambda *a: None, reps=1, num_cost_prompts=1)
+    assert spec_engine.spec_loop._cache_size() == loops, "a new p_min compiled another loop"
