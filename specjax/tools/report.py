@@ -60,6 +60,8 @@ def _cell(a: dict, method: str, console: bool = False) -> str:
     s = f"{a['tokens_per_s']:.1f}" + ("" if console else " tok/s")
     if "speedup" in a and method != "plain":
         s += (" " if console else ", ") + f"{a['speedup']:.2f}x"
+        if "decode_speedup" in a:  # the decode phase alone, the prompt's prefill left out
+            s += f" (decode {a['decode_speedup']:.2f}x)"
     return s + _spec_text(a, console)
 
 
