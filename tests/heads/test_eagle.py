@@ -402,7 +402,7 @@ def test_lookup_merge_settings_are_checked(target, heads):
     hcfg = heads["eagle3"][0]
     with pytest.raises(MergedDrafterError, match="lookup_tokens"):
         WithLookup(EagleDrafter(hcfg, top_k=2, depth=2, total_tokens=4), NgramDrafter(4, 1, 3))
-    with pytest.raises(ConfigError, match="lookup_tokens.*eagle, eagle3 or medusa"):
+    with pytest.raises(ConfigError, match="lookup_tokens.*eagle, eagle3, medusa or draft_model"):
         SpeculativeConfig(method="ngram", lookup_tokens=3)
     with pytest.raises(ConfigError, match="lookup_tokens"):
         SpeculativeConfig(method="eagle3", lookup_tokens=-1)
