@@ -1,4 +1,5 @@
-// specjax CPU kernels: decoding shared by the GGUF block products (gguf_matmul.cc, gguf_matmul_q8.cc).
+// specjax CPU kernels: decoding shared by the GGUF block products (gguf_matmul.cc, gguf_matmul_q8.cc) and the
+// float16 scales of quant_matmul.cc.
 #ifndef SPECJAX_KERNELS_CPU_GGUF_BLOCKS_H_
 #define SPECJAX_KERNELS_CPU_GGUF_BLOCKS_H_
 
@@ -14,10 +15,8 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef float f32x16v __attribute__((vector_size(64)));
 
-// IEEE half (little-endian bytes) to float, exact for every value.
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
+// IEEE half to float, exact for every value (normals, subnormals, zeros, infinities, NaNs).
+inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);
 #else
@@ -38,6 +37,13 @@ inline float half_to_float(const uint8_t* p) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 #endif
+}
+
+// The same from two little-endian bytes (a GGUF block's scale, at any alignment).
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float(h);
 }
 
 // The 6-bit scales and minimums of Q4_K and Q5_K, 8 pairs packed in 12 bytes, as (d * scale, -(dmin * min)):

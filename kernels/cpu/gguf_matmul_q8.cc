@@ -136,8 +136,8 @@ inline u8x32 shl_mask(u8x32 v, int n, int mask) {
   return from_m256(_mm256_and_si256(_mm256_slli_epi16(to_m256(v), n), _mm256_set1_epi8(char(mask))));
 }
 #else
-inline u8x32 shr_mask(u8x32 v, int n, int mask) { return (v >> n) & mask; }
-inline u8x32 shl_mask(u8x32 v, int n, int mask) { return (v << n) & mask; }
+inline u8x32 shr_mask(u8x32 v, int n, int mask) { return (v >> n) & (u8x32{} + uint8_t(mask)); }
+inline u8x32 shl_mask(u8x32 v, int n, int mask) { return (v << n) & (u8x32{} + uint8_t(mask)); }
 #endif
 inline u8x32 nibbles_lo(u8x32 v) { return v & 15; }
 inline u8x32 nibbles_hi(u8x32 v) { return shr_mask(v, 4, 15); }

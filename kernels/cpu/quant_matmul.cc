@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "gguf_blocks.h"
 #include "tiles.h"
 
 namespace {
@@ -68,30 +69,6 @@ inline f32x16 widen_signed(const uint8_t* p) {
   u8x16 c;
   std::memcpy(&c, p, sizeof(c));
   return __builtin_convertvector((__builtin_convertvector(c, i32x16) ^ 0x80) - 0x80, f32x16);
-#endif
-}
-
-// IEEE half to float, exact for every value (normals, subnormals, zeros, infinities, NaNs).
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
-  if (exp == 0x1Fu) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {
-    int e = -1;
-    do { ++e; man <<= 1; } while (!(man & 0x400u));
-    bits = sign | (uint32_t(112 - e) << 23) | ((man & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
 #endif
 }
 
