@@ -21,7 +21,7 @@ from specjax.models.llama import LlamaConfig, fuse_projections, param_shapes
 from specjax.models.safe_files import (INT32_MAX, cfg_bool, cfg_float, cfg_int, cfg_str, check_rope_scaling,
                                        is_pickle_name, layer_indices, map_safetensors, pickle_refusal,
                                        read_json_file)
-from specjax.errors import SpecjaxError
+from specjax.models.resolve import ModelFiles, ModelLoadError, resolve
 
 DEFAULT_MODEL = "smollm2-135m"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -37,23 +37,9 @@ MAX_HEADS = 1 << 14
 MAX_HEAD_DIM = 4096
 
 
-class ModelLoadError(SpecjaxError, ValueError):
-    """A model could not be loaded; the message says what and how to fix it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFiles:
-    """Where a model spec resolved to."""
-
-    kind: str  # "gguf" | "hf"
-    path: str
-
-
 def resolve_model(spec: str) -> ModelFiles:
     """Turn a model spec into local files: a packaged alias ('smollm2-135m', 'qwen2.5-coder-1.5b', ...), a local
     directory or .gguf path, or a Hugging Face Hub id (`specjax.models.resolve`, the one resolver)."""
-    from specjax.models.resolve import resolve
-
     return resolve(spec)
 
 

@@ -34,11 +34,24 @@ from importlib import metadata
 
 from specjax import compile_cache
 from specjax.models.gguf_file import SPLIT_NAME
-from specjax.models.loading import ModelFiles, ModelLoadError
+from specjax.errors import SpecjaxError
 from specjax.models.safe_files import is_pickle_name, pickle_refusal
 
-__all__ = ["ALIASES", "PAIRED_DRAFTS", "PART_MODELS", "paired_draft", "PackagedFile", "PartModel", "assemble", "cached_path", "parse_hub_id",
-           "resolve"]
+
+class ModelLoadError(SpecjaxError, ValueError):
+    """A model could not be loaded; the message says what and how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFiles:
+    """Where a model spec resolved to."""
+
+    kind: str  # "gguf" | "hf"
+    path: str
+
+
+__all__ = ["ALIASES", "ModelFiles", "ModelLoadError", "PAIRED_DRAFTS", "PART_MODELS", "PackagedFile", "PartModel",
+           "assemble", "cached_path", "paired_draft", "parse_hub_id", "resolve"]
 
 
 @dataclasses.dataclass(frozen=True)
