@@ -381,35 +381,12 @@ struct Q8Weights {
   }
 };
 
-// All M tokens against weight rows [a, b), in token tiles of at most kMaxTokens (the same split as tiles.h).
-template <typename W, int R>
-void rows_tile_q8(const Q8Row* xr, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t o) {
-  const int64_t tiles = (M + kMaxTokens - 1) / kMaxTokens;
-  int64_t t0 = 0;
-  for (int64_t c = 0; c < tiles; ++c) {
-    const int tc = int((M - t0) / (tiles - c));
-    const Q8Row* xx = xr + t0;
-    float* yy = y + t0 * N;
-    switch (tc) {
-      case 1: W::template tile<R, 1>(xx, w, yy, K, N, o); break;
-      case 2: W::template tile<R, 2>(xx, w, yy, K, N, o); break;
-      case 3: W::template tile<R, 3>(xx, w, yy, K, N, o); break;
-      case 4: W::template tile<R, 4>(xx, w, yy, K, N, o); break;
-      case 5: W::template tile<R, 5>(xx, w, yy, K, N, o); break;
-      default: W::template tile<R, 6>(xx, w, yy, K, N, o); break;
-    }
-    t0 += tc;
-  }
-}
-
 template <typename W>
 void run(ffi::ThreadPool& pool, const Q8Row* xr, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t chunks = (N + kChunk - 1) / kChunk;
   parallel_items(pool, chunks, true, [=](int64_t c) {
     const int64_t lo = c * kChunk, hi = std::min(N, lo + kChunk);
-    int64_t o = lo;
-    for (; o + kRows <= hi; o += kRows) rows_tile_q8<W, kRows>(xr, w, y, M, K, N, o);
-    for (; o < hi; ++o) rows_tile_q8<W, 1>(xr, w, y, M, K, N, o);
+    row_range<W>(xr, w, y, M, K, N, lo, hi, 1);  // one row descriptor per token
   });
 }
 

@@ -152,13 +152,16 @@ inline void deinterleave(const float* x, float* out, int64_t M, int64_t K) {
 
 // All M token rows against weight rows [o, o + R): token rows go in register tiles of at most kMaxTokens, while the
 // R weight rows stay in L1 between tiles, so memory streams each weight row once.
-template <typename Kind, int R, typename W>
-void rows_tile(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t o) {
+// x_stride: elements of X from one token row to the next (default K: float rows; the int8-activation kernel passes
+// one row descriptor per token, stride 1).
+template <typename Kind, int R, typename W, typename X = float>
+void rows_tile(const X* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t o, int64_t x_stride = -1) {
+  const int64_t xs = x_stride < 0 ? K : x_stride;
   const int64_t tiles = (M + kMaxTokens - 1) / kMaxTokens;
   int64_t t0 = 0;
   for (int64_t c = 0; c < tiles; ++c) {
     const int tc = int((M - t0) / (tiles - c));  // even split: 13 tokens -> 5 + 4 + 4, not 6 + 6 + 1
-    const float* xx = x + t0 * K;
+    const X* xx = x + t0 * xs;
     float* yy = y + t0 * N;
     switch (tc) {
       case 1: Kind::template tile<R, 1>(xx, w, yy, K, N, o); break;
@@ -172,11 +175,12 @@ void rows_tile(const float* x, const W* w, float* y, int64_t M, int64_t K, int64
   }
 }
 
-template <typename Kind, typename W>
-void row_range(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t a, int64_t b) {
+template <typename Kind, typename W, typename X = float>
+void row_range(const X* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t a, int64_t b,
+               int64_t x_stride = -1) {
   int64_t o = a;
-  for (; o + kRows <= b; o += kRows) rows_tile<Kind, kRows>(x, w, y, M, K, N, o);
-  for (; o < b; ++o) rows_tile<Kind, 1>(x, w, y, M, K, N, o);
+  for (; o + kRows <= b; o += kRows) rows_tile<Kind, kRows>(x, w, y, M, K, N, o, x_stride);
+  for (; o < b; ++o) rows_tile<Kind, 1>(x, w, y, M, K, N, o, x_stride);
 }
 
 // Runs fn(i) for every item i in [0, items). Items are claimed from one atomic counter by the calling thread and,
