@@ -191,16 +191,20 @@ def xla_gguf_matmul(x, blocks, *, type_name: str, out_dtype=None) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
-def kernel_gguf_matmul(x, blocks, *, type_name: str, out_dtype=None) -> jax.Array:
-    """The kernel as the op table calls it inside a traced forward (no validation, no jit): [..., N] in
-    `out_dtype` (default x's dtype)."""
+def _ffi(target: str, x, blocks, type_name: str, out_dtype) -> jax.Array:
+    """One of the two C++ products (`target`) on x [..., K]: [..., N] in `out_dtype` (default x's dtype)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((x2.shape[0], blocks.shape[0]), jnp.float32)
-    y = jax.ffi.ffi_call(FFI_TARGET, out, vmap_method="sequential")(
-        x2, blocks, type=np.int64(TYPES[type_name].ggml_id))
+    y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(x2, blocks, type=np.int64(TYPES[type_name].ggml_id))
     return y.reshape(*lead, blocks.shape[0]).astype(out_dtype)
+
+
+def kernel_gguf_matmul(x, blocks, *, type_name: str, out_dtype=None) -> jax.Array:
+    """The kernel as the op table calls it inside a traced forward (no validation, no jit): [..., N] in
+    `out_dtype` (default x's dtype)."""
+    return _ffi(FFI_TARGET, x, blocks, type_name, out_dtype)
 
 
 def is_supported(x, blocks, *, type_name: str, out_dtype=None) -> bool:
@@ -259,13 +263,7 @@ def gguf_matmul_q8_reference(x: jax.Array, blocks: jax.Array, type_name: str) ->
 
 def q8_kernel_gguf_matmul(x, blocks, *, type_name: str, out_dtype=None) -> jax.Array:
     """The int8-activation kernel as the op table calls it inside a traced forward: [..., N] in `out_dtype`."""
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    out = jax.ShapeDtypeStruct((x2.shape[0], blocks.shape[0]), jnp.float32)
-    y = jax.ffi.ffi_call(FFI_TARGET_Q8, out, vmap_method="sequential")(
-        x2, blocks, type=np.int64(TYPES[type_name].ggml_id))
-    return y.reshape(*lead, blocks.shape[0]).astype(out_dtype)
+    return _ffi(FFI_TARGET_Q8, x, blocks, type_name, out_dtype)
 
 
 def q8_is_supported(x, blocks, *, type_name: str, out_dtype=None) -> bool:
