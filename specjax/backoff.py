@@ -70,7 +70,7 @@ def backoff_update(adaptive: Adaptive, floor, gain, g, idle, gap, took, got, xp=
 
     A row that took part but had nothing to propose (an n-gram miss) counts as 0 accepted: in a batch the verify
     forward is paid whenever any row proposes, so a row's gain must be its mean over the verify steps it rode
-    along in, not over its hits only (which kept a batch of rarely-hitting rows speculating at 0.7x). At batch 1
+    along in, not over its hits only (which kept a batch of rarely-hitting rows speculating below plain speed). At batch 1
     a step where the only row has nothing to propose is a plain step, so there the two means coincide.
     Returns (gain, idle, gap)."""
     new = adaptive.decay * g + (1 - adaptive.decay) * got

@@ -133,28 +133,6 @@ def first_token_state(cache: KVCache, last_logits: jax.Array, active: jax.Array,
     return fail_rows(emit(state, first[:, None], jnp.where(bad, 0, 1).astype(jnp.int32), sampling), bad)
 
 
-def prefill_after_prefix(params: dict, config: LlamaConfig, prefix: KVCache, suffix: jax.Array,
-                         suffix_lens: jax.Array, active: jax.Array, sampling: SamplingArrays, max_new: int,
-                         features: tuple = ()):
-    """Prefill prompts that all begin with the same prefix, whose KV is computed once: prefix (batch 1,
-    lengths [1] = Lp, capacity >= Lp), suffix [B, S] right-padded (lengths [B] >= 1). Only the suffix tokens are
-    run. The returned state's cache holds Lp + S slots (the caller places it into a larger one); features
-    [B, S, F] cover the suffix positions only. Pure."""
-    B, S = suffix.shape
-    Lp = prefix.lengths[0]
-    n = prefix.capacity
-    # Entries [1, Hkv, n, D] (scales [1, Hkv, n]) -> [B, Hkv, n + S, ...].
-    grow = lambda a: jnp.broadcast_to(jnp.pad(a, ((0, 0), (0, 0), (0, S)) + ((0, 0),) * (a.ndim - 3)),
-                                      (B,) + a.shape[1:2] + (n + S,) + a.shape[3:])
-    cache = map_entries(grow, prefix, lengths=jnp.full((B,), Lp, jnp.int32))
-    positions = Lp + jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
-    out = forward(params, config, suffix, positions, cache, logit_positions=(suffix_lens - 1)[:, None],
-                  hidden_layers=feature_layers(features))
-    feats = target_features(out, features) if features else None
-    cache = out.cache._replace(lengths=(Lp + suffix_lens).astype(jnp.int32))
-    return first_token_state(cache, out.logits[:, 0], active, sampling, max_new), feats
-
-
 def _prefill_rows(params: dict, config: LlamaConfig, cache: KVCache, prompts: jax.Array, prompt_lens: jax.Array,
                   active: jax.Array, C: int, features: tuple):
     """Chunked per-row prefill (see `prefill_core`): prompts [B, P] -> (cache with every row's prompt written,

@@ -7,8 +7,8 @@ cache across jitted steps so XLA updates it in place.
 
 Layout: head-major, [B, Hkv, S, D] per layer. Attention contracts over D with (B, Hkv) as batch dimensions; with
 the cache in this layout XLA:CPU multiplies it where it lies, while the token-major [B, S, Hkv, D] layout made it
-materialise a transposed copy of every layer's cache on every step (measured on the 2-core CPU: at 2048 slots the
-30 layers' attention of one decode step went from about 45 ms to 15 ms).
+materialise a transposed copy of every layer's cache on every step (the figures: reports/decode_cpu/README.md,
+decode_headmajor.json).
 
 int8 entries (`init_cache(kv_dtype="int8")`): each entry is stored as int8 with one float32 scale per token and KV
 head, k_scale / v_scale [B, Hkv, S] per layer (symmetric: x ~ q * scale, scale = max|x| over the head size / 127).

@@ -93,8 +93,8 @@ def process_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, 
     allow_cond: skip, with `lax.cond`, the work no row of the batch needs: everything but the argmax when every
     row is greedy, the top-k bisection when no row sets top_k, the top-p bisection when no row sets top_p, the
     min-p cut when no row sets min_p. The skipped parts are exact no-ops for those rows, so the result is
-    bit-identical either way; the bisections cost about 1.7 ms per [V] row on a CPU core, which a verify pass
-    over a tree pays once per node. False under compile policies without `lax.cond` (Neuron).
+    bit-identical either way; the bisections are costly per [V] row on a CPU, and a verify pass over a tree pays
+    them once per node. False under compile policies without `lax.cond` (Neuron).
     """
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
@@ -279,8 +279,7 @@ def top_k(x: jax.Array, k: int, *, block: int = 1024) -> tuple[jax.Array, jax.Ar
     [..., k] int32), best first, ties to the lower index (the same result as `lax.top_k`).
 
     Why: inside a `lax.while_loop` whose body stores the k indices (a per-step record), XLA:CPU lowers one
-    top-k over a 49k-entry vocabulary to a full sort of the row, about 20 ms per row on a CPU core, 40x the cost
-    of its TopK kernel. Here each `block`-wide slice gives its own top k first, and a second top-k picks among
+    top-k over a 49k-entry vocabulary to a full sort of the row, many times the cost of its TopK kernel. Here each `block`-wide slice gives its own top k first, and a second top-k picks among
     those V / block * k survivors, so any lowering sorts short rows only. Every true top-k entry is the top k of
     its own block, which is why the two stages are exact.
     """

@@ -56,10 +56,17 @@ def private_imports(path: str, source: str) -> list[str]:
 
 
 def figure_comments(path: str, source: str) -> list[str]:
+    """Measured figures in comments and docstrings (a docstring is a comment a reader meets first)."""
     bad = []
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT and FIGURE.search(tok.string):
             bad.append(f"{path}:{tok.start[0]}: {tok.string.strip()}")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False) or ""
+            for i, line in enumerate(doc.splitlines()):
+                if FIGURE.search(line):
+                    bad.append(f"{path}:{getattr(node, 'lineno', 1)}+{i}: {line.strip()}")
     return bad
 
 
@@ -94,6 +101,9 @@ def test_planted_private_import_is_caught():
 ])
 def test_planted_figure_comment_is_caught(comment):
     assert len(figure_comments("x.py", f"x = 1  {comment}\n")) == 1
+    text = comment.lstrip("# ")
+    assert len(figure_comments("x.py", f'def f():\n    """Why: {text}."""\n')) == 1
+    assert len(figure_comments("x.py", f'"""A module.\n\n{text}\n"""\n')) == 1
 
 
 @pytest.mark.parametrize("comment", [
@@ -103,6 +113,7 @@ def test_planted_figure_comment_is_caught(comment):
 ])
 def test_figure_look_alikes_pass(comment):
     assert figure_comments("x.py", f"x = 1  {comment}\n") == []
+    assert figure_comments("x.py", f'class C:\n    """{comment.lstrip("# ")}"""\n') == []
 
 
 def test_planted_duck_typed_capability_is_caught():

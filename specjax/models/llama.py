@@ -8,8 +8,8 @@ one-token decode and chain/tree verification: it writes the K/V of the T new tok
 It never changes `cache.lengths`: only the caller knows how many of the T tokens are kept.
 
 Params pytree. Layers are a list of per-layer dicts and the layer loop is unrolled in Python: on XLA:CPU a
-`lax.scan` over stacked weights copies every layer's weights out of the stack on each step (measured: 51 ms
-against 31 ms per SmolLM2 decode step), and decode is bound by exactly those weight reads.
+`lax.scan` over stacked weights copies every layer's weights out of the stack on each step, and decode is bound
+by exactly those weight reads (reports/decode_cpu/README.md).
     embed       [V, H]
     layers      L x {attn_norm [H], wq [H, Hq*D], wk/wv [H, Hkv*D], (bq [Hq*D], bk/bv [Hkv*D]),
                      (q_norm/k_norm [D], Qwen3), wo [Hq*D, H], mlp_norm [H], w_gate/w_up [H, F], w_down [F, H]}
@@ -21,8 +21,8 @@ against 31 ms per SmolLM2 decode step), and decode is bound by exactly those wei
 stored [out, in]: per layer wqkv_t [(Hq+2Hkv)*D, H] (and bqkv [(Hq+2Hkv)*D]) in place of wq/wk/wv, wo_t [H, Hq*D],
 w_gu_t [2F, H] in place of w_gate/w_up, and w_down_t [H, F]. `forward` accepts either (the pytree's keys are
 static under jit). Why, measured on XLA:CPU with SmolLM2-135M: a one-token product runs on one core unless it is
-large enough to be split across threads, and the fused ones are (one-token forward 30 -> 23 ms); and products of
-several tokens contract the weights' minor axis faster in the [out, in] layout (5 tokens: 34 -> 27 ms).
+large enough to be split across threads, and the fused ones are; and products of several tokens contract the
+weights' minor axis faster in the [out, in] layout (figures: reports/decode_cpu/README.md, decode_fused.json).
 """
 from __future__ import annotations
 

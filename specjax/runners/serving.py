@@ -792,18 +792,19 @@ class ServingEngine:
 
 def run_queued(llm, prompt_ids: Sequence[Sequence[int]], params: Sequence[SamplingParams], speculative,
                max_batch: int, on_text: Callable[[int, str], None] | None = None, step_chunk: int = 32,
-               progress: bool = False) -> list[Result]:
+               progress: bool = False, on_result: Callable[[int, Result], None] | None = None
+               ) -> list[Result] | None:
     """Generate for every request with at most `max_batch` running at once, the rest queued: `LLM.generate`
-    past max_num_seqs. A finished row's slot takes the next request at once (continuous batching, the batch
-    job's programs), so a short request never waits for the longest one of a fixed batch. Shapes come from the
-    requests (longest prompt, largest max_new_tokens), so every program compiles once for the call.
+    past max_num_seqs, and the distillation corpora (`specjax.train.answer`). A finished row's slot takes the next
+    request at once (continuous batching), so a short request never waits for the longest one of a fixed batch.
+    Shapes come from the requests (longest prompt, largest max_new_tokens), so every program compiles once for
+    the call. The engine runs on this thread (`ServingEngine.step`), so every callback is called here.
 
-    on_text(i, new_text): request i's text as it grows, called on this thread (the pieces join to its result's
-    text); step_chunk: steps between host check-ins at most (the loop returns earlier when a slot frees);
-    progress: a tqdm bar over finished requests on stderr. Returns one Result per request, in order. A request
-    that fails raises its error once the engine has stopped; nothing is left running."""
-    import queue
-
+    on_text(i, new_text): request i's text as it grows (the pieces join to its result's text); without it and
+    without stop strings nothing is detokenized while decoding. step_chunk: steps between host check-ins at most (the loop returns earlier
+    when a slot frees); progress: a tqdm bar over finished requests on stderr. on_result(i, result): request i
+    finished; with it nothing is kept and None is returned (a corpus of many requests), else one Result per
+    request, in order. A request that fails raises its error; nothing is left running."""
     n = len(prompt_ids)
     params = list(params)
     options = EngineOptions(max_batch=max(1, min(max_batch, n)), max_prompt_tokens=max(map(len, prompt_ids)),
@@ -811,8 +812,8 @@ def run_queued(llm, prompt_ids: Sequence[Sequence[int]], params: Sequence[Sampli
                             max_stop_ids=max(1, num_stop(llm.tokenizer, params)), all_options=uses_options(params),
                             context_per_request=True)
     engine = ServingEngine(llm, speculative, options)
-    events: queue.SimpleQueue = queue.SimpleQueue()
-    results: list[Result | None] = [None] * n
+    events: collections.deque = collections.deque()
+    results: list[Result | None] | None = None if on_result is not None else [None] * n
     bar = None
     if progress:
         try:
@@ -821,23 +822,30 @@ def run_queued(llm, prompt_ids: Sequence[Sequence[int]], params: Sequence[Sampli
             bar = tqdm(total=n, desc="generate", unit="req", dynamic_ncols=True)
         except ImportError:  # tqdm is optional
             bar = None
-    engine.start(warmup=False)
+    # Streamed rows are read as text while decoding, so a row whose stop string completes is released at once.
+    stream = on_text is not None or any(p.stop for p in params)
+    engine.start(warmup=False, thread=False)
     try:
         for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
-            engine.submit(ids, sp, lambda ev, i=i: events.put((i, ev)), request_id=str(i))
-        left = n
-        while left:
-            i, ev = events.get()
-            if isinstance(ev, Delta):
-                if on_text is not None:
-                    on_text(i, ev.text)
-            elif isinstance(ev, Failed):
-                raise RequestError(f"request {i} failed ({ev.reason}): {ev.message}")
-            else:
-                results[i] = ev.result
-                left -= 1
-                if bar is not None:
-                    bar.update(1)
+            engine.submit(ids, sp, lambda ev, i=i: events.append((i, ev)), request_id=str(i), stream=stream)
+        busy = True
+        while busy or events:
+            if not events:
+                busy = engine.step()
+            while events:
+                i, ev = events.popleft()
+                if isinstance(ev, Delta):
+                    if on_text is not None:
+                        on_text(i, ev.text)
+                elif isinstance(ev, Failed):
+                    raise RequestError(f"request {i} failed ({ev.reason}): {ev.message}")
+                else:
+                    if results is None:
+                        on_result(i, ev.result)
+                    else:
+                        results[i] = ev.result
+                    if bar is not None:
+                        bar.update(1)
     finally:
         engine.shutdown(deadline=0.0)
         if bar is not None:

@@ -253,7 +253,7 @@ def _remember_gain(runtime, key, stats) -> None:
 def _warm_verify_sizes(llm, drafter, dparams, state, sampling) -> None:
     """Compile the verify of every node count `spec_engine.trim_proposal` may pick, and the plain step, once per
     (drafter, state shapes), before the first step. Compiled on first need instead, a size stalled a generation
-    midway (Spec-Bench at T = 1: one suffix request at 1.2 tok/s). Each size runs once on a copy of the state, which is discarded."""
+    midway (a Spec-Bench request at T = 1 ran at a fraction of its speed). Each size runs once on a copy of the state, which is discarded."""
     shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(state))
     key = (drafter, shapes)
     if key in llm.runtime.warmed:

@@ -9,7 +9,7 @@ measured E[tokens] in the validation table.
 Costs are timed inside the real generation loop, not in micro-benchmarks: a short generation at each setting (two
 prompts, speculation forced on, every step verifying even on a lookup miss) gives the seconds of one speculative
 step, draft and verify and acceptance together, and a plain generation the seconds of one plain step. A forward
-timed alone at a fixed context was noisy and up to 1.5x the cost of the same forward inside the compiled loop
+timed alone at a fixed context was noisy and costlier than the same forward inside the compiled loop
 (reports/tune_cpu). Every timed generation runs after a warm-up that compiled every prompt bucket it meets, and
 each prompt keeps its fastest of `reps` runs.
 
@@ -76,7 +76,7 @@ def prompt_bucket(llm, prompt) -> int:
 def warm_up(llm, prompts: list, spec: SpeculativeConfig | None, sp: SamplingParams,
             force_verify: bool = False) -> None:
     """Generate one prompt of every prompt bucket among `prompts`, so that timed runs compile nothing (a compile
-    inside a timed run once made one setting look 2x faster than the rest: it alone had been warmed on all)."""
+    inside a timed run once made one setting look much faster than the rest: it alone had been warmed on all)."""
     seen = {}
     for p in prompts:
         seen.setdefault(prompt_bucket(llm, p), p)

@@ -1,9 +1,9 @@
 """Self-distillation data: the target answers the project's own prompts, and we keep what it said and thought.
 
 For every prompt the target generates a response with its chat template (greedy, or sampled at a temperature
-for a deterministic share of the training prompts). At every response step we also keep the target's top-k
-log-probabilities (temperature 1, over the full vocabulary): the decode step computes those logits anyway, so
-soft distillation targets cost nothing extra. Step i's top-k is the distribution that produced response token i.
+for a deterministic share of the training prompts), on the serving engine's slot loop. At every response step we
+also keep the target's top-k log-probabilities (temperature 1, over the full vocabulary), from one teacher-forced
+forward over each finished block of sequences: step i's top-k is the distribution that produced response token i.
 
 Everything is saved to one `.npz` of plain arrays (no pickles; `np.load(..., allow_pickle=False)` reads it):
     tokens       [N, L] int32    prompt followed by response, zero-padded
@@ -18,30 +18,25 @@ Everything is saved to one `.npz` of plain arrays (no pickles; `np.load(..., all
 
 Rows: one per planned answer (`plan_requests`): every prompt once, and with `--extra-samples n` every training
 prompt n more times, sampled. With `--features-out FILE` the target features at every position (final hidden
-state and the EAGLE-3 layers), recorded by the same forward passes, go to the feature cache that
+state and the EAGLE-3 layers), from the same teacher-forced forward, go to the feature cache that
 `specjax.train.eagle --features-cache FILE` reads, which then skips its own feature pass over the data.
 
-Run: `python -m specjax.train.data --out /path/to/data.npz` (see --help). Finished batches are kept in
+Run: `python -m specjax.train.data --out /path/to/data.npz` (see --help). Finished blocks are kept in
 `<out>.partial.npz` as it goes, so rerunning an interrupted command continues instead of starting over.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kv_cache import init_cache
-from specjax.sampling import process_logits, sample
-from specjax.sampling import top_k as top_k_two_stage
-from specjax.models.llama import LlamaConfig, forward
 from specjax.train.common import progress_bar
+from specjax.train.features import teacher_forced
 from specjax.train.prompts import Prompt, build_prompts, is_heldout
 from specjax.errors import SpecjaxError
 
@@ -50,83 +45,6 @@ FIELDS = ("tokens", "prompt_len", "length", "topk_ids", "topk_logp", "temperatur
 
 class DataError(SpecjaxError, ValueError):
     """A distillation data file is missing, malformed or inconsistent; the message says how to fix it."""
-
-
-class Generated(NamedTuple):
-    """What `generate_batch` returns (B rows, R = max_new_tokens, K = top_k, F = feature width)."""
-
-    tokens: jax.Array  # [B, R] int32, -1 after the row stopped
-    topk_ids: jax.Array  # [B, R, K] int32, the target's top-k at each response step, best first
-    topk_logp: jax.Array  # [B, R, K] float32, their log-probabilities (full-vocabulary log-softmax, T = 1)
-    num_new: jax.Array  # [B] int32, response tokens emitted (the stop token counted)
-    prompt_features: jax.Array | None  # [B, P, F] float16 at the prompt positions (valid below prompt_len)
-    step_features: jax.Array | None  # [B, R, F] float16 at position prompt_len + i (the i-th response token)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_new", "top_k", "stop_ids", "feature_layers"))
-def generate_batch(params: dict, config: LlamaConfig, prompts: jax.Array, prompt_len: jax.Array,
-                   temperature: jax.Array, keys: jax.Array, *, max_new: int, top_k: int,
-                   stop_ids: tuple[int, ...], feature_layers: tuple[int, ...] | None = None) -> Generated:
-    """Generate up to `max_new` tokens for a batch of right-padded prompts and record the target's top-k.
-
-    prompts [B, P] int32, prompt_len [B] int32 (>= 1), temperature [B] float32 (0 = greedy),
-    keys [B, 2] uint32 (one PRNG key per row, so a row's sample does not depend on its batch).
-    feature_layers: None, or the target layers whose outputs are also recorded at every position, as the
-    feature cache of `specjax.train.eagle` holds them: F = H (final normed hidden state) + len(layers) * H.
-    The forward passes compute them anyway, which saves the heads' separate feature pass over the data.
-    Returns a `Generated`. The loop exits early once every row has emitted a stop token.
-    """
-    B, P = prompts.shape
-    layers = tuple(feature_layers or ())
-    want = feature_layers is not None
-    cache = init_cache(config.num_layers, B, P + max_new, config.num_kv_heads, config.head_dim,
-                       params["embed"].dtype)
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-
-    def feats(out):  # [B, T, F] float16
-        parts = [out.hidden] + ([out.layer_hidden[j] for j in range(len(layers))] if layers else [])
-        return jnp.concatenate(parts, axis=-1).astype(jnp.float16)
-
-    out = forward(params, config, prompts, positions, cache, hidden_layers=layers,
-                  logit_positions=(prompt_len - 1)[:, None])
-    prompt_feats = feats(out) if want else None
-    # Padding slots past each prompt were written too, but slots >= lengths are invisible and get overwritten.
-    cache = out.cache._replace(lengths=prompt_len.astype(jnp.int32))
-    stops = jnp.asarray(stop_ids, jnp.int32)
-    F = prompt_feats.shape[-1] if want else 0
-
-    def cond(carry):
-        i, _, _, done, *_ = carry
-        return (i < max_new) & ~jnp.all(done)
-
-    def body(carry):
-        i, cache, logits, done, toks, tk_ids, tk_lp, fbuf = carry
-        logp = jax.nn.log_softmax(logits, axis=-1)  # [B, V] the target's own distribution (T = 1)
-        lp, ix = top_k_two_stage(logp, top_k)
-        # specjax's one sampler (`sampling.process_logits` + `sampling.sample`, inverse CDF), on one uniform per
-        # row from the row's own key; greedy rows keep the top-1 of the recorded top-k.
-        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, i)))(keys)
-        probs = process_logits(logits, temperature, jnp.zeros(B, jnp.int32), jnp.ones(B, jnp.float32))
-        tok = jnp.where(temperature > 0, sample(probs, u), ix[:, 0]).astype(jnp.int32)
-        tok = jnp.where(done, -1, tok)
-        toks = toks.at[:, i].set(tok)
-        tk_ids = tk_ids.at[:, i].set(ix)
-        tk_lp = tk_lp.at[:, i].set(lp)
-        done = done | jnp.any(tok[:, None] == stops[None, :], axis=-1)
-        step = forward(params, config, jnp.maximum(tok, 0)[:, None], cache.lengths[:, None], cache,
-                       hidden_layers=layers)
-        if want:
-            fbuf = fbuf.at[:, i].set(feats(step)[:, 0])
-        cache = step.cache._replace(lengths=cache.lengths + 1)
-        return i + 1, cache, step.logits[:, 0], done, toks, tk_ids, tk_lp, fbuf
-
-    fbuf = jnp.zeros((B, max_new, F) if want else (0,), jnp.float16)
-    init = (jnp.int32(0), cache, out.logits[:, 0], jnp.zeros((B,), bool),
-            jnp.full((B, max_new), -1, jnp.int32), jnp.zeros((B, max_new, top_k), jnp.int32),
-            jnp.zeros((B, max_new, top_k), jnp.float32), fbuf)
-    _, _, _, _, toks, tk_ids, tk_lp, fbuf = jax.lax.while_loop(cond, body, init)
-    num = jnp.sum(toks >= 0, axis=1).astype(jnp.int32)
-    return Generated(toks, tk_ids, tk_lp, num, prompt_feats, fbuf if want else None)
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -157,43 +75,48 @@ def plan_requests(prompts: list[Prompt], sample_every: int, temperature: float, 
     return plan
 
 
-def generate_dataset(params: dict, config: LlamaConfig, tokenizer, prompts: list[Prompt], *, max_new: int = 160,
-                     batch: int = 16, top_k: int = 16, sample_every: int = 4, temperature: float = 0.7,
-                     extra_samples: int = 0, extra_temperatures: tuple[float, ...] = (1.0, 0.7, 0.4),
+def generate_dataset(llm, prompts: list[Prompt], *, max_new: int = 160, batch: int = 16, top_k: int = 16,
+                     sample_every: int = 4, temperature: float = 0.7, extra_samples: int = 0,
+                     extra_temperatures: tuple[float, ...] = (1.0, 0.7, 0.4),
                      feature_layers: tuple[int, ...] | None = None, seed: int = 0, progress: bool = True,
                      partial: str | None = None) -> dict[str, np.ndarray]:
     """Run the target on every planned request (`plan_requests`) and return the arrays described in the module
-    docstring (meta excluded).
+    docstring (meta excluded). llm: a `specjax.api.LLM` (or an object with its attributes).
 
-    feature_layers: also return the target features at every position, "features_final" [N, L, H] and
+    The answers come from the serving engine's slot loop (`runners.serving.run_queued`, `batch` slots); rows are
+    grouped in blocks of `batch` (by prompt length), and a block's answers are scored together once all of them
+    are done: one teacher-forced forward (`features.teacher_forced`) gives the top-k at every response step and,
+    with feature_layers, the target features at every position, "features_final" [N, L, H] and
     "features_layers" [N, L, len(layers) * H] float16, zero past each length (the feature cache of
     `specjax.train.eagle`).
-    partial: a .npz path where finished batches are saved after each batch (their features next to it, one
-    file per batch); an existing one made with the same settings is picked up, so an interrupted run continues
+    partial: a .npz path where finished blocks are saved as they complete (their features next to it, one
+    file per block); an existing one made with the same settings is picked up, so an interrupted run continues
     where it stopped (they are deleted at the end).
     """
+    from specjax.config import SamplingParams
+    from specjax.runners.serving import run_queued
+
     if batch < 1 or max_new < 1 or top_k < 1:
         raise DataError(f"batch ({batch}), max_new ({max_new}) and top_k ({top_k}) must all be >= 1")
+    config, tokenizer = llm.config, llm.tokenizer
     plan = plan_requests(prompts, sample_every, temperature, extra_samples, extra_temperatures)
     ids = [chat_ids(tokenizer, p.text) for p, _, _ in plan]
     P = -(-max(map(len, ids)) // 32) * 32  # the widest prompt: the width of the token array
-    # Batches of similar prompt length waste less prefill; the order is deterministic.
+    # Blocks of similar prompt length pad less in the scoring forward; the order is deterministic.
     order = sorted(range(len(plan)), key=lambda j: (len(ids[j]), j))
-    stop_ids = tuple(sorted(set(tokenizer.stop_token_ids)))
-    base = jax.random.key(seed)
     n = len(plan)
     tokens = np.zeros((n, P + max_new), np.int32)
     prompt_len = np.zeros(n, np.int32)
     length = np.zeros(n, np.int32)
     topk_ids = np.zeros((n, max_new, top_k), np.int32)
     topk_logp = np.zeros((n, max_new, top_k), np.float16)
-    batches = [order[s:s + batch] for s in range(0, n, batch)]
-    done = np.zeros(len(batches), bool)
+    blocks = [order[s:s + batch] for s in range(0, n, batch)]
+    done = np.zeros(len(blocks), bool)
     settings = np.asarray(json.dumps({"n": n, "P": P, "max_new": max_new, "batch": batch, "top_k": top_k,
                                       "sample_every": sample_every, "temperature": temperature, "seed": seed,
                                       "extra_samples": extra_samples, "extra_temperatures": list(extra_temperatures),
                                       "feature_layers": None if feature_layers is None else list(feature_layers),
-                                      "prompts": [len(i) for i in ids]}))
+                                      "prompts": [len(i) for i in ids], "scored": "teacher-forced"}))
     work = {"tokens": tokens, "prompt_len": prompt_len, "length": length, "topk_ids": topk_ids, "topk_logp": topk_logp}
     if partial and os.path.isfile(partial):
         with np.load(partial, allow_pickle=False) as f:
@@ -201,49 +124,49 @@ def generate_dataset(params: dict, config: LlamaConfig, tokenizer, prompts: list
                 done = f["done"].copy()
                 for k in work:
                     work[k][...] = f[k]
-    H = config.hidden_size
+    feats_spec = () if feature_layers is None else ("final",) + tuple(feature_layers)
     feat_path = lambda b: f"{partial}.features{b}.npz"
-    step_feats: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch -> (prompt [B, P, F], response [B, R, F])
-    bar = progress_bar([b for b, d in zip(batches, done) if not d], progress, desc="generate", unit="batch",
-                initial=int(done.sum()), total=len(batches))
-    made = 0
+    block_feats: dict[int, np.ndarray] = {}  # block -> [batch, T, F] float16
+    block_of = {j: b for b, rows in enumerate(blocks) for j in rows}
+    left = {b: len(rows) for b, rows in enumerate(blocks) if not done[b]}
+    todo = [j for b, rows in enumerate(blocks) if not done[b] for j in rows]
+    bar = progress_bar(None, progress, desc="generate", unit="block", initial=int(done.sum()), total=len(blocks))
+    made = [0]
     t0 = time.perf_counter()
-    for rows in bar:
-        b = batches.index(rows)
-        pad = batch - len(rows)
-        rows_p = rows + [rows[-1]] * pad  # pad the last batch by repeating a row (same shape, result dropped)
-        # Each batch pads its prompts to its own longest one (rounded up to 64, a handful of compiled shapes):
-        # padded to the longest prompt of the whole set, short prompts cost several times their prefill.
-        pt = np.zeros((batch, min(-(-max(len(ids[j]) for j in rows_p) // 64) * 64, P)), np.int32)
-        for r, j in enumerate(rows_p):
-            pt[r, :len(ids[j])] = ids[j]
-        plen = np.asarray([len(ids[j]) for j in rows_p], np.int32)
-        temps = np.asarray([plan[j][1] for j in rows_p], np.float32)
-        keys = np.stack([np.asarray(jax.random.key_data(_answer_key(base, plan[j][0].index, plan[j][2])))
-                         for j in rows_p])
-        g = jax.device_get(generate_batch(
-            params, config, jnp.asarray(pt), jnp.asarray(plen), jnp.asarray(temps), jnp.asarray(keys),
-            max_new=max_new, top_k=top_k, stop_ids=stop_ids, feature_layers=feature_layers))
-        for r, j in enumerate(rows):
-            k = int(g.num_new[r])
-            tokens[j, :plen[r]] = pt[r, :plen[r]]
-            tokens[j, plen[r]:plen[r] + k] = g.tokens[r, :k]
-            prompt_len[j] = plen[r]
-            length[j] = plen[r] + k
-            topk_ids[j] = g.topk_ids[r]
-            topk_logp[j] = g.topk_logp[r].astype(np.float16)
-            made += k
-        if feature_layers is not None:
-            step_feats[b] = (g.prompt_features[:len(rows)], g.step_features[:len(rows)])
+
+    def score(b: int) -> None:
+        f = score_block(llm, work, blocks[b], batch, feats_spec)
+        if f is not None:
+            block_feats[b] = f
         if partial:
-            if feature_layers is not None:
-                np.savez(feat_path(b), prompt=step_feats[b][0], response=step_feats[b][1])
+            if f is not None:
+                np.savez(feat_path(b), features=f)
             done[b] = True
             tmp = partial + ".tmp.npz"
             np.savez(tmp, settings=settings, done=done, **work)
             os.replace(tmp, partial)
         if progress:
-            bar.set_postfix(tok=made, tok_s=f"{made / (time.perf_counter() - t0):.1f}")
+            bar.update(1)
+            bar.set_postfix(tok=made[0], tok_s=f"{made[0] / (time.perf_counter() - t0):.1f}")
+
+    def finished(i: int, result) -> None:
+        j = todo[i]
+        out = np.asarray(result.token_ids, np.int32)
+        pl = len(ids[j])
+        tokens[j, :pl], tokens[j, pl:pl + out.size] = ids[j], out
+        prompt_len[j], length[j] = pl, pl + out.size
+        made[0] += int(out.size)
+        b = block_of[j]
+        left[b] -= 1
+        if not left[b]:
+            score(b)
+
+    if todo:
+        samplings = [SamplingParams(max_new_tokens=max_new, temperature=plan[j][1],
+                                    seed=answer_seed(seed, plan[j][0].index, plan[j][2])) for j in todo]
+        run_queued(llm, [ids[j] for j in todo], samplings, None, batch, step_chunk=16, on_result=finished)
+    if progress:
+        bar.close()
     L = min(-(-int(length.max()) // 32) * 32, tokens.shape[1])
     out = {
         "tokens": tokens[:, :L],
@@ -256,20 +179,14 @@ def generate_dataset(params: dict, config: LlamaConfig, tokenizer, prompts: list
         "heldout": np.asarray([is_heldout(p.index) for p, _, _ in plan], bool),
     }
     if feature_layers is not None:
-        final = np.zeros((n, L, H), np.float16)
-        lay = np.zeros((n, L, len(feature_layers) * H), np.float16)
-        for b, rows in enumerate(batches):
-            if b not in step_feats:  # made by an earlier, interrupted invocation
+        for b in range(len(blocks)):
+            if b not in block_feats:  # made by an earlier, interrupted invocation
                 with np.load(feat_path(b), allow_pickle=False) as f:
-                    step_feats[b] = (f["prompt"], f["response"])
-            fp, fr = step_feats[b]
-            for r, j in enumerate(rows):
-                pl, ln = int(prompt_len[j]), int(length[j])
-                final[j, :pl], lay[j, :pl] = fp[r, :pl, :H], fp[r, :pl, H:]
-                final[j, pl:ln], lay[j, pl:ln] = fr[r, :ln - pl, :H], fr[r, :ln - pl, H:]
-        out["features_final"], out["features_layers"] = final, lay
+                    block_feats[b] = f["features"]
+        out["features_final"], out["features_layers"] = spread_features(block_feats, blocks, length, L,
+                                                                         config.hidden_size)
     if partial:
-        for b in range(len(batches)):
+        for b in range(len(blocks)):
             if os.path.isfile(feat_path(b)):
                 os.remove(feat_path(b))
         if os.path.isfile(partial):
@@ -277,10 +194,50 @@ def generate_dataset(params: dict, config: LlamaConfig, tokenizer, prompts: list
     return out
 
 
-def _answer_key(base: jax.Array, index: int, answer: int) -> jax.Array:
-    """Answer 0 of a prompt keeps the key it always had; answer s > 0 folds s in once more."""
-    key = jax.random.fold_in(base, index)
-    return jax.random.fold_in(key, answer) if answer else key
+def score_block(llm, work: dict[str, np.ndarray], rows: list[int], batch: int, features: tuple) -> np.ndarray | None:
+    """Score the finished rows `rows` of `work` (the module's arrays) in one teacher-forced forward padded to
+    `batch` rows: their top-k at every response step is written into work["topk_ids"] / work["topk_logp"] (zero
+    past each response). Returns the target `features` at every position [len(rows), T, F] float16, or None."""
+    tokens, prompt_len, length = work["tokens"], work["prompt_len"], work["length"]
+    max_new, top_k = work["topk_ids"].shape[1:]
+    T = min(-(-int(max(length[j] for j in rows)) // 64) * 64, tokens.shape[1])
+    seq = np.zeros((batch, T), np.int32)
+    at = np.zeros((batch, max_new), np.int32)
+    for r, j in enumerate(rows):
+        seq[r, :length[j]] = tokens[j, :length[j]]
+        # Response step i is predicted at position prompt_len - 1 + i (past the end: the last position).
+        at[r] = np.minimum(prompt_len[j] - 1 + np.arange(max_new), max(length[j] - 1, 0))
+    f, (lp, ix) = jax.device_get(teacher_forced(llm.params, llm.config, seq, features, at, top_k, jnp.float16))
+    for r, j in enumerate(rows):
+        k = int(length[j] - prompt_len[j])
+        work["topk_ids"][j, :k], work["topk_logp"][j, :k] = ix[r, :k], lp[r, :k].astype(np.float16)
+    if not features:
+        return None
+    if not np.isfinite(f[:len(rows)]).all():
+        raise DataError("target features overflow float16; this target's activations are too large for the "
+                        "feature cache")
+    return f[:len(rows)]
+
+
+def spread_features(block_feats: dict[int, np.ndarray], blocks: list[list[int]], length: np.ndarray, L: int,
+                    H: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block features [rows, T, H + layers * H] -> ("features_final" [N, L, H], "features_layers"
+    [N, L, layers * H]) float16 in row order, zero past each length."""
+    F = next(iter(block_feats.values())).shape[-1]
+    final = np.zeros((len(length), L, H), np.float16)
+    lay = np.zeros((len(length), L, F - H), np.float16)
+    for b, rows in enumerate(blocks):
+        fb = block_feats[b]
+        for r, j in enumerate(rows):
+            ln = min(int(length[j]), fb.shape[1], L)
+            final[j, :ln], lay[j, :ln] = fb[r, :ln, :H], fb[r, :ln, H:]
+    return final, lay
+
+
+def answer_seed(seed: int, index: int, answer: int) -> int:
+    """The sampling seed of answer `answer` to prompt `index`: a function of the run seed and those two only, so a
+    row's sample does not depend on its batch or on the order the engine runs it in."""
+    return int(np.random.SeedSequence([seed, index, answer]).generate_state(1, np.uint32)[0])
 
 
 def save_dataset(path: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
@@ -345,10 +302,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from specjax.models.loading import load_model
+    from specjax.api import LLM
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    loaded = load_model(args.target, "float32")
+    loaded = LLM(args.target, "float32", max_num_seqs=None)
     prompts = build_prompts()
     if args.limit:
         prompts = prompts[:args.limit]
@@ -366,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
         if bad:
             ap.error(f"--feature-layers {bad} out of range for a {loaded.config.num_layers}-layer target")
     t0 = time.perf_counter()
-    arrays = generate_dataset(loaded.params, loaded.config, loaded.tokenizer, prompts,
+    arrays = generate_dataset(loaded, prompts,
                               max_new=args.max_new_tokens, batch=args.batch, top_k=args.top_k,
                               sample_every=args.sample_every, temperature=args.temperature,
                               extra_samples=args.extra_samples, extra_temperatures=extra_t, feature_layers=layers,

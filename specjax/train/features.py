@@ -16,8 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.engine import feature_layers
+from specjax.engine import target_features as concat_features
 from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward
+from specjax.sampling import top_k as two_stage_top_k
 from specjax.train.common import TrainError, progress_bar
 
 
@@ -35,6 +38,30 @@ def target_features(params: dict, config: LlamaConfig, tokens: jax.Array, layers
     out = forward(params, config, tokens, pos, cache, hidden_layers=layers, compute_logits=False)
     lay = jnp.concatenate(list(out.layer_hidden), axis=-1).astype(dtype) if layers else None
     return out.hidden.astype(dtype), lay
+
+
+@functools.partial(jax.jit, static_argnames=("config", "features", "top_k", "dtype"))
+def teacher_forced(params: dict, config: LlamaConfig, tokens: jax.Array, features: tuple = (),
+                   logit_positions: jax.Array | None = None, top_k: int = 0, dtype=jnp.float32):
+    """One causal forward over finished sequences tokens [B, T] (prompt then response, zero-padded): what the
+    distillation corpora keep of the target besides its tokens.
+
+    features: the target features to return at every position, concatenated in this order (entries "final" or
+    layer indices, as a drafter asks for them: `engine.target_features`), [B, T, F] in `dtype`; () -> None.
+    logit_positions [B, R] int32 with top_k > 0: the top_k log-probabilities of the target's own distribution
+    (temperature 1, log-softmax over the full vocabulary) at those positions, best first, as (log-probs [B, R, K]
+    float32, ids [B, R, K] int32); None -> None. Returns (features, top-k)."""
+    B, T = tokens.shape
+    cache = init_cache(config.num_layers, B, T, config.num_kv_heads, config.head_dim, params["embed"].dtype)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+    scored = logit_positions is not None and top_k > 0
+    out = forward(params, config, tokens, pos, cache, hidden_layers=feature_layers(features),
+                  logit_positions=logit_positions if scored else None, compute_logits=scored)
+    feats = concat_features(out, features).astype(dtype) if features else None
+    top = None
+    if scored:
+        top = two_stage_top_k(jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1), top_k)
+    return feats, top
 
 
 def final_hidden(params: dict, config: LlamaConfig, tokens: jax.Array) -> jax.Array:

@@ -10,11 +10,11 @@ Three phases, each a corpus of token shards (`specjax.train.shards`) under OUT:
   long          prompts built from earlier answers: summarise or answer questions about a passage the target
                 wrote, and a second user turn after the first answer (multi-turn).
 
-The generator keeps `batch` slots decoding in one compiled loop; every `steps` decode steps the host takes the
-finished slots' results and prefills new requests into them, `refill` at a time. All shapes are fixed per phase
-(prompt bucket, output bucket, batch), so a phase compiles three programs once. With --features the target's
-features (final hidden state and the EAGLE-3 layers, bfloat16) at every position are written next to each shard:
-the forward passes compute them anyway.
+The requests run on the serving engine's slot loop (`runners.serving.run_queued`): `batch` slots decode
+together, and every `steps` decode steps at most the host takes the finished slots' results and prefills waiting
+requests into them. Shapes are fixed per phase, so a phase compiles its programs once. With --features the
+target's features (final hidden state and the EAGLE-3 layers, bfloat16) at every position are written next to
+each shard, from one teacher-forced forward per group of finished sequences (`features.teacher_forced`).
 
 Requests are grouped in blocks (one shard each); a block's shard is written when all of its requests are done.
 Rerunning skips every block the manifest lists, so a crash loses at most the blocks in flight. The plan, the
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -53,8 +52,7 @@ class GenShape(NamedTuple):
     batch: int  # decoding slots
     prompt_len: int  # prompt bucket (longer prompts are refused by the planner)
     max_new: int  # output bucket (>= every request's max_new)
-    refill: int  # rows per refill prefill
-    steps: int  # decode steps per device call
+    steps: int  # decode steps per host check-in at most
 
 
 def request_seed(seed: int, phase: str, request: int) -> int:
@@ -66,192 +64,78 @@ def request_seed(seed: int, phase: str, request: int) -> int:
 # ------------------------------------------------------------------------------------------------- device
 
 
-def _capacity(shape: GenShape) -> int:
-    # 16 spare slots: the shared prefix's cache is rounded up to 16 before the suffixes go after it.
-    return -(-(shape.prompt_len + shape.max_new + 16) // 64) * 64
-
-
-@functools.lru_cache(maxsize=None)
-def _programs(config, shape: GenShape, features: tuple):
-    """The phase's jitted programs: the shared prefix's prefill (batch 1), the prefill of `refill` prompts'
-    suffixes after it (one compile per suffix bucket), insert into slots, and `steps` decode steps."""
-    import jax
-    import jax.numpy as jnp
-
-    from specjax import engine
-    from specjax.buckets import Buckets
-    from specjax.kv_cache import map_entries
-
-    cap = _capacity(shape)
-    bf16 = lambda f: f.astype(jnp.bfloat16) if features else None
-
-    def prefix_prefill(params, tokens, lens, sampling):  # tokens [1, n]
-        n = tokens.shape[1]
-        st, f = engine.prefill_core(params, config, Buckets(1, n, 16, n), tokens, lens, jnp.ones(1, bool), sampling,
-                                    features)
-        return st.cache, bf16(f)
-
-    def suffix_prefill(params, prefix, suffix, lens, active, sampling):
-        st, f = engine.prefill_after_prefix(params, config, prefix, suffix, lens, active, sampling, shape.max_new,
-                                            features)
-        return st, bf16(f)
-
-    def insert(state, rows, slots):
-        # slots [R] int32; a padding row's slot is B and is dropped. The rows' caches hold fewer slots than the
-        # state's: they go into the first ones (the rest is stale, past the row's length, never attended).
-        m = rows.cache.capacity
-        put = lambda a, r: a.at[slots].set(r, mode="drop")
-        put_kv = lambda a, r: a.at[slots, :, :m].set(r, mode="drop")
-        cache = map_entries(put_kv, state.cache, rows.cache, lengths=put(state.cache.lengths, rows.cache.lengths))
-        rest = {f: put(getattr(state, f), getattr(rows, f)) for f in state._fields if f != "cache"}
-        return state._replace(cache=cache, **rest)
-
-    def empty(params, sampling):  # every slot free (finished), full capacity
-        B = sampling.temperature.shape[0]
-        P = min(16, shape.prompt_len)
-        st, _ = engine.prefill_core(params, config, Buckets(B, P, shape.max_new, cap), jnp.zeros((B, P), jnp.int32),
-                                    jnp.ones(B, jnp.int32), jnp.zeros(B, bool), sampling)
-        return st
-
-    def advance(params, state, sampling):
-        def body(st, _):
-            running = st.finish == engine.FINISH_RUNNING
-            st, f = engine.decode_step_features(params, config, st, sampling, features=features)
-            return st, (f[:, 0].astype(jnp.bfloat16) if features else None, running)
-
-        return jax.lax.scan(body, state, None, length=shape.steps)
-
-    return (jax.jit(prefix_prefill), jax.jit(suffix_prefill), jax.jit(insert, donate_argnums=(0,)), jax.jit(empty),
-            jax.jit(advance, donate_argnums=(1,)))
+# Finished sequences whose features are computed together, in one teacher-forced forward.
+FEATURE_BATCH = 8
 
 
 def _bucket(n: int) -> int:
-    b = 16
-    while b < n:
-        b *= 2
-    return b
+    return -(-n // 64) * 64
 
 
-def common_prefix(requests: Sequence[Request]) -> np.ndarray:
-    """The longest token prefix every request's prompt starts with, minus one token (each suffix keeps >= 1)."""
-    first = np.asarray(requests[0].tokens)
-    n = len(first) - 1
-    for r in requests[1:]:
-        t = np.asarray(r.tokens)
-        m = min(n, len(t) - 1)
-        neq = np.flatnonzero(first[:m] != t[:m])
-        n = int(neq[0]) if neq.size else m
-        if n == 0:
-            break
-    return first[:n]
+def generate(llm, requests: Sequence[Request], shape: GenShape, *, seed: int, phase: str,
+             on_done: Callable[[Sequence_], None], features: tuple = (), progress=None) -> dict:
+    """Run every request through the serving engine's slot loop (`runners.serving.run_queued`, `shape.batch`
+    slots); `on_done(seq)` gets each finished one. llm: a `specjax.api.LLM` (or an object with its attributes).
 
-
-def _sampling(temps, seeds, max_new, stops):
-    import jax
-
-    from specjax.sampling import SamplingArrays
-
-    n = len(temps)
-    return jax.device_put(SamplingArrays(np.asarray(temps, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
-                                         np.asarray(seeds, np.uint32), np.asarray(max_new, np.int32),
-                                         np.asarray(stops, np.int32)))
-
-
-def generate(params, config, requests: Sequence[Request], shape: GenShape, stop_ids: Sequence[int], *, seed: int,
-             phase: str, on_done: Callable[[Sequence_], None], features: tuple = (), progress=None) -> dict:
-    """Run every request through the continuous-batching loop; `on_done(seq)` gets each finished one.
-
+    With `features`, finished sequences are scored in groups of FEATURE_BATCH by one teacher-forced forward
+    (`features.teacher_forced`) over prompt + response: the target's features at every position.
     Returns {"sequences", "response_tokens", "seconds"}. progress: an object with update(n) and
     set_postfix(**kw) (a tqdm bar), or None.
     """
     import jax
+    import jax.numpy as jnp
 
-    from specjax.engine import FINISH_RUNNING, FINISH_STOP as ENGINE_STOP
+    from specjax.config import SamplingParams
+    from specjax.runners.serving import run_queued
+    from specjax.train.features import teacher_forced
 
-    B, R, P = shape.batch, shape.refill, shape.prompt_len
-    stops = (list(stop_ids) + [-1] * 4)[:4]
-    prefix_prefill, suffix_prefill, insert, empty, advance = _programs(config, shape, tuple(features))
     for r in requests:
-        if len(r.tokens) > P or len(r.tokens) < 1 or r.max_new > shape.max_new:
+        if len(r.tokens) > shape.prompt_len or len(r.tokens) < 1 or r.max_new > shape.max_new:
             raise ShardError(f"request {r.id}: prompt of {len(r.tokens)} tokens / max_new {r.max_new} does not fit "
-                             f"the phase's buckets ({P} / {shape.max_new})")
+                             f"the phase's buckets ({shape.prompt_len} / {shape.max_new})")
     if not requests:
         return {"sequences": 0, "response_tokens": 0, "seconds": 0.0}
-    # Every prompt starts with the chat template's system turn: its KV (and features) are computed once.
-    pre = common_prefix(requests)
-    Lp = len(pre)
-    n = max(16, -(-Lp // 16) * 16)
-    ptoks = np.zeros((1, n), np.int32)
-    ptoks[0, :Lp] = pre
-    prefix, pfeat = prefix_prefill(params, ptoks, np.asarray([max(Lp, 1)], np.int32),
-                                   _sampling([0.0], [0], [1], [stops]))
-    if Lp == 0:  # nothing shared: an empty prefix
-        prefix = prefix._replace(lengths=np.zeros(1, np.int32))
-    pfeat = None if pfeat is None else np.asarray(jax.device_get(pfeat))[0, :Lp]
-    # Host mirror of the per-slot sampling values; slot_req[b] = index into requests, -1 = free.
-    temps, seeds, mnew = np.zeros(B, np.float32), np.zeros(B, np.uint32), np.ones(B, np.int32)
-    slot_req = np.full(B, -1, np.int64)
-    slot_feats: list[list[np.ndarray]] = [[] for _ in range(B)]
-    state = empty(params, _sampling(temps, seeds, mnew, [stops] * B))
-    nxt, made, done = 0, 0, 0
     t0 = time.perf_counter()
-    while True:
-        free = np.flatnonzero(slot_req < 0)
-        while free.size and nxt < len(requests):
-            take = list(range(nxt, min(nxt + min(R, free.size), len(requests))))
-            nxt += len(take)
-            slots = np.full(R, B, np.int32)
-            slots[:len(take)] = free[:len(take)]
-            free = free[len(take):]
-            S = min(_bucket(max(len(requests[j].tokens) - Lp for j in take)), _capacity(shape) - n)
-            toks, lens = np.zeros((R, S), np.int32), np.ones(R, np.int32)
-            rt, rs, rm = np.zeros(R, np.float32), np.zeros(R, np.uint32), np.ones(R, np.int32)
-            for k, j in enumerate(take):
-                q = requests[j]
-                toks[k, :len(q.tokens) - Lp], lens[k] = q.tokens[Lp:], len(q.tokens) - Lp
-                rt[k], rs[k], rm[k] = q.temperature, request_seed(seed, phase, q.id), q.max_new
-            active = np.arange(R) < len(take)
-            rows, sf = suffix_prefill(params, prefix, toks, lens, active, _sampling(rt, rs, rm, [stops] * R))
-            state = insert(state, rows, slots)
-            sf = None if sf is None else np.asarray(jax.device_get(sf))
-            for k, j in enumerate(take):
-                b = slots[k]
-                slot_req[b] = j
-                temps[b], seeds[b], mnew[b] = rt[k], rs[k], rm[k]
-                slot_feats[b] = [pfeat, sf[k, :lens[k]]] if sf is not None else []
-        if not (slot_req >= 0).any():
-            break
-        state, (fs, running) = advance(params, state, _sampling(temps, seeds, mnew, [stops] * B))
-        finish, num_new = jax.device_get((state.finish, state.num_new))
+    made = [0]
+    waiting: list[tuple[Request, np.ndarray, int]] = []
+
+    def emit(batch: list[tuple[Request, np.ndarray, int]]) -> None:
+        feats = [None] * len(batch)
         if features:
-            fs, running = np.asarray(jax.device_get(fs)), np.asarray(jax.device_get(running))
-            for b in np.flatnonzero(slot_req >= 0):
-                slot_feats[b].append(fs[running[:, b], b])
-        ended = np.flatnonzero((slot_req >= 0) & (finish != FINISH_RUNNING))
-        if ended.size:
-            out = np.asarray(jax.device_get(state.out_tokens))
-            for b in ended:
-                q = requests[slot_req[b]]
-                resp = out[b, :num_new[b]]
-                f = None
-                if features:  # the last token was never fed, so its row stays zero
-                    last = np.zeros((1, slot_feats[b][0].shape[1]), slot_feats[b][0].dtype)
-                    f = np.concatenate(slot_feats[b] + [last])
-                on_done(Sequence_(q.id, q.prompt_id, np.asarray(q.tokens), resp, q.temperature,
-                                  FINISH_STOP if finish[b] == ENGINE_STOP else FINISH_LENGTH, f))
-                made += int(num_new[b])
-                done += 1
-                slot_req[b] = -1
-                slot_feats[b] = []
-            if progress is not None:
-                progress.update(int(ended.size))
-                progress.set_postfix(tok=made, tok_s=f"{made / (time.perf_counter() - t0):.0f}")
-    return {"sequences": done, "response_tokens": made, "seconds": time.perf_counter() - t0}
+            seqs = [np.concatenate([np.asarray(q.tokens, np.int32), resp]) for q, resp, _ in batch]
+            tokens = np.zeros((FEATURE_BATCH, _bucket(max(map(len, seqs)))), np.int32)
+            for k, t in enumerate(seqs):
+                tokens[k, :len(t)] = t
+            f = np.asarray(jax.device_get(teacher_forced(llm.params, llm.config, tokens, tuple(features),
+                                                         dtype=jnp.bfloat16)[0]))
+            feats = [f[k, :len(t)] for k, t in enumerate(seqs)]
+        for (q, resp, finish), f in zip(batch, feats):
+            on_done(Sequence_(q.id, q.prompt_id, np.asarray(q.tokens), resp, q.temperature, finish, f))
+            made[0] += int(resp.size)
+        if progress is not None:
+            progress.update(len(batch))
+            progress.set_postfix(tok=made[0], tok_s=f"{made[0] / (time.perf_counter() - t0):.0f}")
+
+    def finished(i: int, result) -> None:
+        finish = FINISH_STOP if result.finish_reason == "stop" else FINISH_LENGTH
+        waiting.append((requests[i], np.asarray(result.token_ids, np.int32), finish))
+        if len(waiting) == FEATURE_BATCH or not features:
+            emit(waiting[:])
+            waiting.clear()
+
+    run_queued(llm, [np.asarray(q.tokens).tolist() for q in requests],
+               [SamplingParams(max_new_tokens=q.max_new, temperature=q.temperature,
+                               seed=request_seed(seed, phase, q.id)) for q in requests],
+               None, shape.batch, step_chunk=shape.steps, on_result=finished)
+    if waiting:
+        emit(waiting)
+    return {"sequences": len(requests), "response_tokens": made[0], "seconds": time.perf_counter() - t0}
 
 
-def run_phase(params, config, tokenizer, out: str, phase: str, requests: Sequence[Request], shape: GenShape, *,
-              seed: int, header: dict, block: int, features: tuple = (), progress: bool = True) -> dict:
+def run_phase(llm, out: str, phase: str, requests: Sequence[Request], shape: GenShape, *, seed: int, header: dict,
+              block: int, features: tuple = (), progress: bool = True) -> dict:
     """Generate the blocks of `requests` the corpus OUT/phase does not hold yet. Returns the phase summary."""
+    config = llm.config
     feature_width = len(features) * config.hidden_size
     writer = CorpusWriter(os.path.join(out, phase), dict(header, phase=phase, shape=shape._asdict(), block=block,
                                                          requests=len(requests), feature_width=feature_width,
@@ -283,8 +167,7 @@ def run_phase(params, config, tokenizer, out: str, phase: str, requests: Sequenc
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), initial=len(requests) - len(todo), desc=phase, unit="seq", file=sys.stderr)
-    stats = generate(params, config, todo, shape, tokenizer.stop_token_ids, seed=seed, phase=phase, on_done=on_done,
-                     features=features, progress=bar)
+    stats = generate(llm, todo, shape, seed=seed, phase=phase, on_done=on_done, features=features, progress=bar)
     if bar is not None:
         bar.close()
     if pending:
@@ -476,7 +359,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--long-max-new", type=int, default=256)
     ap.add_argument("--long-batch", type=int, default=96)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--refill", type=int, default=32)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--block", type=int, default=1024, help="requests per shard")
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests of each phase (for trials)")
@@ -488,16 +370,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    from specjax.api import LLM
     from specjax.heads.eagle import default_eagle3_layers
     from specjax.models.loading import load_model
 
     t0 = time.perf_counter()
     m = load_model(args.target, "float32")
-    cfg, params, tok = m.config, m.params, m.tokenizer
-    header = {"tokenizer": tokenizer_fingerprint(tok), "target": target_fingerprint(cfg, params),
-              "target_spec": args.target, "seed": args.seed, "vocab_size": cfg.vocab_size}
+    # The fingerprint is of the weights as the file stores them (the engine runs on fused projections).
+    header = {"tokenizer": tokenizer_fingerprint(m.tokenizer), "target": target_fingerprint(m.config, m.params),
+              "target_spec": args.target, "seed": args.seed, "vocab_size": m.config.vocab_size}
+    limit = compute_limit(m.params, matmul_flops())
+    del m
+    llm = LLM(args.target, "float32", max_num_seqs=None)
+    cfg, tok = llm.config, llm.tokenizer
     feats = ("final",) + tuple(default_eagle3_layers(cfg.num_layers)) if args.features else ()
-    limit = compute_limit(params, matmul_flops())
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     unknown = sorted(set(phases) - {"instructions", "responses", "long"})
     if unknown:
@@ -509,10 +395,10 @@ def main(argv: list[str] | None = None) -> dict:
         P = 64
         cands, reqs = instruction_requests(tok, args.candidates, args.seed, args.instruction_tokens, P,
                                            args.instruction_temperature)
-        shape = GenShape(args.batch, P, args.instruction_tokens, args.refill, args.steps)
-        st = run_phase(params, cfg, tok, args.out, "instructions", cut(reqs), shape, seed=args.seed,
-                       header=dict(header, candidates=args.candidates,
-                                                             temperature=args.instruction_temperature), block=args.block, progress=args.progress)
+        shape = GenShape(args.batch, P, args.instruction_tokens, args.steps)
+        st = run_phase(llm, args.out, "instructions", cut(reqs), shape, seed=args.seed,
+                       header=dict(header, candidates=args.candidates, temperature=args.instruction_temperature),
+                       block=args.block, progress=args.progress)
         rows = build_prompt_file(tok, args.out, cands)
         summary["phases"]["instructions"] = dict(st, prompts=len(rows),
                                                  heldout_prompts=sum(r["heldout"] for r in rows))
@@ -520,8 +406,8 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = read_prompt_file(args.out)
         reqs = response_requests(tok, prompts, sampled_share=args.sampled_share, temperature=args.temperature,
                                  max_new=args.max_new, prompt_len=args.prompt_len, seed=args.seed)
-        shape = GenShape(args.batch, args.prompt_len, args.max_new, args.refill, args.steps)
-        st = run_phase(params, cfg, tok, args.out, "responses", cut(reqs), shape, seed=args.seed,
+        shape = GenShape(args.batch, args.prompt_len, args.max_new, args.steps)
+        st = run_phase(llm, args.out, "responses", cut(reqs), shape, seed=args.seed,
                        header=dict(header, prompts=len(prompts), sampled_share=args.sampled_share,
                                    temperature=args.temperature), block=args.block, features=feats,
                        progress=args.progress)
@@ -530,8 +416,8 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = read_prompt_file(args.out)
         reqs = long_requests(tok, args.out, prompts, source_blocks=args.long_source_blocks,
                              prompt_len=args.long_prompt_len, max_new=args.long_max_new)
-        shape = GenShape(args.long_batch, args.long_prompt_len, args.long_max_new, args.refill, args.steps)
-        st = run_phase(params, cfg, tok, args.out, "long", cut(reqs), shape, seed=args.seed,
+        shape = GenShape(args.long_batch, args.long_prompt_len, args.long_max_new, args.steps)
+        st = run_phase(llm, args.out, "long", cut(reqs), shape, seed=args.seed,
                        header=dict(header, source_blocks=args.long_source_blocks), block=args.block, features=feats,
                        progress=args.progress)
         summary["phases"]["long"] = st

@@ -127,7 +127,7 @@ class Sequence_:
     response: np.ndarray  # [R] int
     temperature: float
     finish: int
-    features: np.ndarray | None = None  # [P + R, F] bfloat16 (the last row is zero: nothing was fed after it)
+    features: np.ndarray | None = None  # [P + R, F] bfloat16, one row per token (a teacher-forced forward)
 
 
 def pack_shard(seqs: Sequence[Sequence_], vocab_size: int) -> dict[str, np.ndarray]:

@@ -599,27 +599,34 @@ def test_head_config_errors():
 
 
 # ============================================================================================ training
+class _IdTokenizer:
+    """Prompts written as space-separated token ids."""
+
+    stop_token_ids = (2,)
+
+    def apply_chat_template(self, messages):
+        return messages[0]["content"]
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, **kw):
+        return " ".join(str(int(t)) for t in ids)
+
+
 def _tiny_dataset(path, params, config, n=24, prompt=8, new=24):
-    from specjax.train.data import generate_batch, save_dataset
+    """Distillation data from the target's own greedy answers to random prompts (`specjax.train.data`)."""
+    from spec_helpers import tiny_llm
+    from specjax.train.data import generate_dataset, save_dataset
+    from specjax.train.prompts import Prompt
 
     rng = np.random.default_rng(0)
-    prompts = rng.integers(3, V, (n, prompt)).astype(np.int32)
-    plen = rng.integers(4, prompt + 1, n).astype(np.int32)
-    for i in range(n):
-        prompts[i, plen[i]:] = 0
-    keys = jax.random.key_data(jax.random.split(jax.random.key(0), n))
-    g = jax.device_get(generate_batch(
-        params, config, jnp.asarray(prompts), jnp.asarray(plen), jnp.zeros(n), keys, max_new=new, top_k=8,
-        stop_ids=(2,)))
-    toks, ids, logp, num = g.tokens, g.topk_ids, g.topk_logp, g.num_new
-    tokens = np.zeros((n, 64), np.int32)
-    for i in range(n):
-        tokens[i, :plen[i]] = prompts[i, :plen[i]]
-        tokens[i, plen[i]:plen[i] + num[i]] = toks[i, :num[i]]
-    save_dataset(path, dict(tokens=tokens, prompt_len=plen, length=plen + num, topk_ids=ids,
-                            topk_logp=logp.astype(np.float16), temperature=np.zeros(n, np.float32),
-                            prompt_index=np.arange(n, dtype=np.int32), heldout=np.arange(n) % 4 == 0),
-                 {"target": "tiny", "stop_token_ids": [2]})
+    prompts = [Prompt(i, "x", " ".join(map(str, rng.integers(3, V, rng.integers(4, prompt + 1))))) for i in range(n)]
+    llm = tiny_llm(config, params)
+    llm.tokenizer = _IdTokenizer()
+    arrays = generate_dataset(llm, prompts, max_new=new, top_k=8, sample_every=0, batch=8, progress=False)
+    arrays["heldout"] = np.arange(n) % 4 == 0
+    save_dataset(path, arrays, {"target": "tiny", "stop_token_ids": [2]})
 
 
 @pytest.mark.slow

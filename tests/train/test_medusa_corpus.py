@@ -25,7 +25,7 @@ def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("medusa-corpus")
     model = save_hf_model(d / "model", CFG, tiny_params(CFG, seed=7))
     G.main(["--out", str(d / "data"), "--target", model, "--candidates", "120", "--instruction-tokens", "20",
-            "--max-new", "32", "--prompt-len", "96", "--batch", "16", "--refill", "4", "--steps", "4", "--block", "32",
+            "--max-new", "32", "--prompt-len", "96", "--batch", "16", "--steps", "4", "--block", "32",
             "--features", "--no-progress"])
     return model, str(d / "data" / "responses")
 

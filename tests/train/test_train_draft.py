@@ -16,7 +16,7 @@ from specjax.kv_cache import init_cache
 from specjax.models.llama import LlamaConfig, forward, init_params, lm_head
 from specjax.models import draft_io
 from specjax.train import draft_model as D
-from specjax.train.data import generate_batch, load_dataset, save_dataset
+from specjax.train.data import load_dataset, save_dataset
 from specjax.train.prompts import build_prompts, is_heldout
 
 TINY = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -240,12 +240,38 @@ def test_resume_continues_from_last_checkpoint(tmp_path, target):
 
 
 # ------------------------------------------------------------------------------------------ data
-def test_generate_batch_matches_greedy_recompute_and_stops(target):
-    P, R = 6, 5
-    prompts = jnp.asarray([[5, 9, 2, 7, 0, 0], [11, 3, 4, 8, 1, 6]], jnp.int32)
-    plen = jnp.asarray([4, 6], jnp.int32)
+class _FakeTokenizer:
+    """Prompts as text: one id per character; ids decode to numbers."""
 
-    S = P + R
+    def __init__(self, stop_token_ids=(2,)):
+        self.stop_token_ids = tuple(stop_token_ids)
+
+    def apply_chat_template(self, messages):
+        return messages[0]["content"]
+
+    def encode(self, text):
+        return [3 + ord(c) % 60 for c in text]
+
+    def decode(self, ids, **kw):
+        return " ".join(str(int(t)) for t in ids)
+
+
+def _llm(target, stop_token_ids=(2,)):
+    """The tiny target as an `LLM` (the serving engine runs it) with the character tokenizer."""
+    from spec_helpers import tiny_llm
+
+    llm = tiny_llm(TINY, target)
+    llm.tokenizer = _FakeTokenizer(stop_token_ids)
+    return llm
+
+
+def test_dataset_answers_equal_a_greedy_recompute_and_stop(target):
+    import specjax.train.data as data
+    from specjax.train.prompts import Prompt
+
+    R = 5
+    prompts = [Prompt(0, "x", "abcd"), Prompt(1, "x", "kdbefa")]
+    S = 6 + R
 
     @jax.jit
     def next_token(seq, n):  # no cache: full causal recompute over a fixed [1, S] buffer, read at n - 1
@@ -259,34 +285,24 @@ def test_generate_batch_matches_greedy_recompute_and_stops(target):
             seq.append(int(next_token(jnp.asarray([seq + [0] * (S - len(seq))], jnp.int32), len(seq))))
         return seq
 
-    want0 = greedy([5, 9, 2, 7], R)[4:]
-    want1 = greedy([11, 3, 4, 8, 1, 6], R)[6:]
-    stop = want0[2]  # row 0 must stop after emitting this token (kept); row 1 too if it emits it
-    keys = jax.random.key_data(jax.random.split(jax.random.key(0), 2))
-    g = generate_batch(target, TINY, prompts, plen, jnp.zeros(2), keys, max_new=R, top_k=3, stop_ids=(stop,))
-    toks, ids, lp, num = g.tokens, g.topk_ids, g.topk_logp, g.num_new
-    assert g.prompt_features is None and g.step_features is None
-    toks = np.asarray(toks)
-    cut0 = want0.index(stop) + 1
-    assert toks[0, :cut0].tolist() == want0[:cut0] and np.all(toks[0, cut0:] == -1) and int(num[0]) == cut0
-    cut1 = want1.index(stop) + 1 if stop in want1 else R
-    assert toks[1, :cut1].tolist() == want1[:cut1]
-    assert np.all(np.asarray(ids)[0, :cut0, 0] == want0[:cut0])
-    assert np.all(np.diff(np.asarray(lp), axis=-1) <= 1e-6)  # top-k sorted by log-prob
+    enc = _FakeTokenizer().encode
+    want = [greedy(enc(p.text), R)[len(enc(p.text)):] for p in prompts]
+    stop = want[0][2]  # row 0 must stop after emitting this token (kept); row 1 too if it emits it
+    got = data.generate_dataset(_llm(target, (stop,)), prompts, max_new=R, batch=2, top_k=3, sample_every=0,
+                                progress=False)
+    for n in range(2):
+        cut = want[n].index(stop) + 1 if stop in want[n] else R
+        pl, ln = got["prompt_len"][n], got["length"][n]
+        assert got["tokens"][n, :pl].tolist() == enc(prompts[n].text)
+        assert got["tokens"][n, pl:ln].tolist() == want[n][:cut]
+        assert np.all(got["topk_ids"][n, :cut, 0] == want[n][:cut])  # the greedy token is the top-1
+        assert not got["topk_ids"][n, cut:].any()
+    assert got["length"][0] - got["prompt_len"][0] == 3
+    assert np.all(np.diff(got["topk_logp"].astype(np.float32), axis=-1) <= 1e-3)  # top-k sorted by log-prob
 
 
 class _Interrupted(RuntimeError):
     pass
-
-
-class _FakeTokenizer:
-    stop_token_ids = (2,)
-
-    def apply_chat_template(self, messages):
-        return messages[0]["content"]
-
-    def encode(self, text):
-        return [3 + ord(c) % 60 for c in text]
 
 
 def test_generate_dataset_resumes_from_partial_file(tmp_path, target, monkeypatch):
@@ -295,24 +311,24 @@ def test_generate_dataset_resumes_from_partial_file(tmp_path, target, monkeypatc
 
     prompts = [Prompt(i, "x", "abcdefgh"[: 2 + i]) for i in range(5)]
     kw = dict(max_new=4, batch=2, top_k=3, sample_every=2, temperature=0.8, seed=1, progress=False)
-    full = data.generate_dataset(target, TINY, _FakeTokenizer(), prompts, **kw)
+    full = data.generate_dataset(_llm(target), prompts, **kw)
     partial = str(tmp_path / "p.npz")
-    real, calls, armed = data.generate_batch, [], [True]
+    real, calls, armed = data.teacher_forced, [], [True]
 
-    def dies_on_second_batch(*a, **k):
+    def dies_on_second_block(*a, **k):  # the scoring forward of a finished block
         calls.append(1)
         if len(calls) == 2 and armed:
             raise _Interrupted
         return real(*a, **k)
 
-    monkeypatch.setattr(data, "generate_batch", dies_on_second_batch)
+    monkeypatch.setattr(data, "teacher_forced", dies_on_second_block)
     with pytest.raises(_Interrupted):
-        data.generate_dataset(target, TINY, _FakeTokenizer(), prompts, partial=partial, **kw)
+        data.generate_dataset(_llm(target), prompts, partial=partial, **kw)
     assert os.path.isfile(partial)
     calls.clear()
     armed.clear()
-    resumed = data.generate_dataset(target, TINY, _FakeTokenizer(), prompts, partial=partial, **kw)
-    assert len(calls) == 2  # 3 batches in all, the first one was kept
+    resumed = data.generate_dataset(_llm(target), prompts, partial=partial, **kw)
+    assert len(calls) == 2  # 3 blocks in all, the first one finished was kept
     assert not os.path.exists(partial)
     for k in full:
         np.testing.assert_array_equal(full[k], resumed[k])
@@ -326,30 +342,30 @@ def test_generate_dataset_with_extra_answers_and_features_resumes(tmp_path, targ
     prompts = [Prompt(i, "x", "abcdefgh"[: 2 + i]) for i in range(6)]  # prompt 5 is held out
     kw = dict(max_new=4, batch=4, top_k=3, sample_every=0, temperature=0.8, extra_samples=2, feature_layers=(1,),
               seed=1, progress=False)
-    full = data.generate_dataset(target, TINY, _FakeTokenizer(), prompts, **kw)
+    full = data.generate_dataset(_llm(target), prompts, **kw)
     N, L = full["tokens"].shape
     assert N == 6 + 2 * 5 and full["features_final"].shape == (N, L, TINY.hidden_size)
     assert full["features_layers"].shape == (N, L, TINY.hidden_size)
     for n in range(N):  # features exactly where there are tokens
         assert not np.any(full["features_final"][n, full["length"][n]:])
         assert np.all(np.any(full["features_final"][n, :full["length"][n]] != 0, axis=-1))
-    # Answers 1 and 2 of a prompt are sampled with their own keys: not all copies of answer 0.
+    # Answers 1 and 2 of a prompt are sampled with their own seeds: not all copies of answer 0.
     resp = lambda n: tuple(full["tokens"][n, full["prompt_len"][n]:full["length"][n]])
     assert len({resp(n) for n in range(N) if full["prompt_index"][n] == 0}) > 1
     partial = str(tmp_path / "p.npz")
-    real, calls = data.generate_batch, []
+    real, calls = data.teacher_forced, []
 
-    def dies_on_third_batch(*a, **k):
+    def dies_on_third_block(*a, **k):
         calls.append(1)
         if len(calls) == 3:
             raise _Interrupted
         return real(*a, **k)
 
-    monkeypatch.setattr(data, "generate_batch", dies_on_third_batch)
+    monkeypatch.setattr(data, "teacher_forced", dies_on_third_block)
     with pytest.raises(_Interrupted):
-        data.generate_dataset(target, TINY, _FakeTokenizer(), prompts, partial=partial, **kw)
-    monkeypatch.setattr(data, "generate_batch", real)
-    resumed = data.generate_dataset(target, TINY, _FakeTokenizer(), prompts, partial=partial, **kw)
+        data.generate_dataset(_llm(target), prompts, partial=partial, **kw)
+    monkeypatch.setattr(data, "teacher_forced", real)
+    resumed = data.generate_dataset(_llm(target), prompts, partial=partial, **kw)
     for k in full:
         np.testing.assert_array_equal(full[k], resumed[k])
     assert not any(p.name.startswith("p.npz") for p in tmp_path.iterdir())
@@ -375,27 +391,26 @@ def test_plan_requests_extra_answers_for_training_prompts_only():
         plan_requests(prompts, 4, 0.7, extra_samples=-1)
 
 
-def test_generate_batch_features_equal_the_heads_feature_pass(target):
-    """Features recorded during generation are the ones `specjax.train.eagle` computes with one prefill."""
+def test_dataset_features_equal_the_heads_feature_pass(target):
+    """Features saved with the data are the ones `specjax.train.eagle` computes with its own prefill."""
+    import specjax.train.data as data
     from specjax.train.features import compute_features
+    from specjax.train.prompts import Prompt
 
-    prompts = jnp.asarray([[5, 9, 2, 7, 0, 0], [11, 3, 4, 8, 1, 6]], jnp.int32)
-    plen = np.asarray([4, 6], np.int32)
-    keys = jax.random.key_data(jax.random.split(jax.random.key(0), 2))
-    g = jax.device_get(generate_batch(target, TINY, prompts, jnp.asarray(plen), jnp.asarray([0.0, 0.9]), keys,
-                                      max_new=5, top_k=3, stop_ids=(999,), feature_layers=(0, 2)))
+    prompts = [Prompt(0, "x", "abcd"), Prompt(1, "x", "kdbefa"), Prompt(3, "x", "zz")]
+    got = data.generate_dataset(_llm(target, (999,)), prompts, max_new=5, batch=2, top_k=3, sample_every=2,
+                                temperature=0.9, feature_layers=(0, 2), progress=False)
     H = TINY.hidden_size
-    assert g.prompt_features.shape == (2, 6, 3 * H) and g.step_features.shape == (2, 5, 3 * H)
-    tokens = np.zeros((2, 16), np.int32)
-    length = plen + g.num_new
-    for r in range(2):
-        tokens[r, :plen[r]] = np.asarray(prompts)[r, :plen[r]]
-        tokens[r, plen[r]:length[r]] = g.tokens[r, :g.num_new[r]]
-    ref = compute_features(target, TINY, tokens, length, (0, 2), batch=2, bucket=16, progress=False)
-    for r in range(2):
-        got = np.concatenate([g.prompt_features[r, :plen[r]], g.step_features[r, :g.num_new[r]]])
-        want = np.concatenate([ref["final"][r, :length[r]], ref["layers"][r, :length[r]]], axis=-1)
-        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2)
+    N, L = got["tokens"].shape
+    assert got["features_final"].shape == (N, L, H) and got["features_layers"].shape == (N, L, 2 * H)
+    np.testing.assert_allclose(got["temperature"], [0.0, 0.9, 0.9])  # prompts 1 and 3 sampled
+    ref = compute_features(target, TINY, got["tokens"], got["length"], (0, 2), batch=2, bucket=16, progress=False)
+    for k in ("final", "layers"):
+        np.testing.assert_allclose(got[f"features_{k}"].astype(np.float32), ref[k].astype(np.float32), rtol=1e-2,
+                                   atol=1e-2)
+    for n in range(N):  # features exactly where there are tokens
+        assert not got["features_final"][n, got["length"][n]:].any()
+        assert np.all(np.any(got["features_final"][n, :got["length"][n]] != 0, axis=-1))
 
 
 def test_dataset_round_trip_without_pickles(tmp_path):
