@@ -258,6 +258,9 @@ class DeviceVariant:
     extra_slots = 0
     stream = None
     drafter = None  # the speculative variants' drafter; plain decoding has none
+    # A row's state has the same shapes whatever its prompt bucket (nothing in it is sized by the prompt), so the
+    # slot loop may prefill a short prompt in a smaller bucket than the engine's and insert it all the same.
+    prompt_free_state = False
 
     def state_shapes(self, b, sampling):
         B, P = b.batch, b.prompt_len

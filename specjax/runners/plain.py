@@ -17,6 +17,8 @@ class PlainVariant(DeviceVariant):
     """stream: called as stream(prompt_index, new_text) while decoding (`runners.base.generate`); chunk: decode
     steps per loop call while streaming."""
 
+    prompt_free_state = True
+
     def __init__(self, llm, stream: Callable[[int, str], None] | None = None, chunk: int = STREAM_CHUNK):
         self.llm, self.stream, self.chunk = llm, stream, chunk
 

@@ -181,7 +181,8 @@ def release_rows(finish, mask):
 class SlotPrograms:
     """The compiled programs of the slot loop, over one host-driver variant (plain, speculative or Neuron):
 
-    prefill(tokens [1, P], lens [1], active [1], sampling [1]) -> batch-1 state (first token emitted)
+    prefill(tokens [1, P], lens [1], active [1], sampling [1]) -> batch-1 state (first token emitted), P one of
+        `prompt_buckets` (`bucket_for` a prompt's length)
     empty(sampling [B]) -> batch-B state with every slot finished (free)
     insert(state, row, slot) -> state with the batch-1 `row` in slot `slot`
     advance(state, sampling [B], max_steps) -> state after running until a slot frees up
@@ -193,9 +194,20 @@ class SlotPrograms:
         self.b1 = dataclasses.replace(buckets, batch=1)
         self.bB = dataclasses.replace(buckets, batch=batch)
         self.floor: float | None = None  # the back-off break-even at batch B (`calibrate`); None = the default
+        # A prompt shorter than the engine's bucket is prefilled in the smallest of these that holds it: a
+        # prefill costs its bucket's tokens up to PREFILL_CHUNK (longer buckets are prefilled per row in chunks,
+        # which costs a row its own length), so a 20-token chat prompt on a 1024-token server pays 32, not 128.
+        P = buckets.prompt_len
+        self.prompt_buckets = tuple(b for b in (32, 64) if b < P) + (P,) if variant.prompt_free_state else (P,)
+
+    def bucket_for(self, n: int) -> int:
+        """The prompt bucket a prompt of n tokens is prefilled in."""
+        return next(b for b in self.prompt_buckets if b >= n)
 
     def prefill(self, tokens, lens, active, sampling):
-        return self.variant.prefill(self.b1, tokens, lens, active, sampling)
+        P = tokens.shape[1]
+        b1 = self.b1 if P == self.b1.prompt_len else dataclasses.replace(self.b1, prompt_len=P, prefill_chunk=0)
+        return self.variant.prefill(b1, tokens, lens, active, sampling)
 
     def empty(self, sampling):
         from specjax import engine
@@ -550,7 +562,9 @@ class ServingEngine:
         ids = [1] * min(8, P)
         sp = SamplingParams(max_new_tokens=min(2 * self.options.step_chunk + 1, self.options.max_tokens),
                             ignore_eos=True, seed=0)
-        row = self._prefill(ids, sp)
+        for P in self.progs.prompt_buckets[:-1]:  # the smaller prefill programs; the engine's own runs below
+            jax.block_until_ready(self._prefill(ids, sp, P))
+        row = self._prefill(ids, sp, self.progs.prompt_buckets[-1])
         self._state = self.progs.insert(self._state, row, 0)
         self._state = self.progs.advance(self._state, self._slot_sampling, self.options.step_chunk)
         self._read()
@@ -559,8 +573,8 @@ class ServingEngine:
         if self.progs.drafter is not None:
             jax.device_get(self._state.stats)
 
-    def _prefill(self, ids: list[int], sp: SamplingParams):
-        tokens, lens, active = pad_prompts([ids], 1, self.progs.bB.prompt_len)
+    def _prefill(self, ids: list[int], sp: SamplingParams, bucket: int | None = None):
+        tokens, lens, active = pad_prompts([ids], 1, bucket or self.progs.bucket_for(len(ids)))
         return self.progs.prefill(tokens, lens, active, sampling_arrays(self.tokenizer, [sp], 1,
                                                                         self.progs.bB.num_stop, [ids],
                                                                         self.llm.config.vocab_size,

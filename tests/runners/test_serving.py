@@ -84,6 +84,26 @@ def test_concurrent_requests_match_one_at_a_time_and_compile_nothing(llm, engine
     assert engine.num_running == 0 and engine.num_waiting == 0
 
 
+def test_short_prompts_use_smaller_prefill_buckets_with_the_same_tokens(llm):
+    """A plain engine prefills a prompt in the smallest of its prompt buckets that holds it (32, 64, its own);
+    every bucket compiles at warm-up, and the tokens are LLM.generate's whatever the bucket."""
+    eng = ServingEngine(llm, None, EngineOptions(max_batch=2, max_prompt_tokens=200, max_tokens=6)).start()
+    try:
+        assert eng.progs.prompt_buckets == (32, 64, 256)
+        assert [eng.progs.bucket_for(n) for n in (1, 32, 33, 64, 65, 200)] == [32, 32, 64, 64, 256, 256]
+        before = eng.compiles
+        prompts = ["x" * n for n in (3, 40, 150)]  # one prompt per bucket
+        results = [eng.generate(llm.tokenizer.encode(p), SamplingParams(max_tokens=6, temperature=0))[0]
+                   for p in prompts]
+        assert eng.compiles == before
+        for p, r in zip(prompts, results):
+            assert r.token_ids == reference(llm, p, max_tokens=6, temperature=0).token_ids
+    finally:
+        eng.shutdown()
+    spec = ServingEngine(llm, {"method": "ngram"}, EngineOptions(max_batch=2, max_prompt_tokens=200, max_tokens=6))
+    assert spec.progs.prompt_buckets == (256,)  # a speculative row's history is sized by the prompt bucket
+
+
 def test_stop_strings_cut_like_generate_and_are_never_streamed(llm, engine):
     """A stop string taken from the middle of a greedy output: the text is cut before it as LLM.generate cuts it,
     finish_reason is 'stop', the slot is freed early, and no streamed piece shows any part of it."""
