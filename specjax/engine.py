@@ -133,6 +133,21 @@ def first_token_state(cache: KVCache, last_logits: jax.Array, active: jax.Array,
     return fail_rows(emit(state, first[:, None], jnp.where(bad, 0, 1).astype(jnp.int32), sampling), bad)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "max_new"))
+def prefill_after_prefix(params: dict, config: LlamaConfig, prefix: KVCache, suffix: jax.Array,
+                         suffix_lens: jax.Array, active: jax.Array, sampling: SamplingArrays,
+                         max_new: int) -> DecodeState:
+    """Prefill a prompt that begins with a prefix whose KV is already computed: prefix is a batch-1 cache
+    (lengths [1] = Lp, its capacity the state's), suffix [1, S] the rest of the prompt, right-padded (lengths [1]
+    >= 1, Lp + S <= capacity). Only the suffix tokens run, attending to the prefix's slots; the first token is
+    sampled as `prefill` samples it. Jitted; nothing donated (the prefix is reused)."""
+    B, S = suffix.shape
+    positions = prefix.lengths[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
+    out = forward(params, config, suffix, positions, prefix, logit_positions=(suffix_lens - 1)[:, None])
+    cache = out.cache._replace(lengths=(prefix.lengths + suffix_lens).astype(jnp.int32))
+    return first_token_state(cache, out.logits[:, 0], active, sampling, max_new)
+
+
 def _prefill_rows(params: dict, config: LlamaConfig, cache: KVCache, prompts: jax.Array, prompt_lens: jax.Array,
                   active: jax.Array, C: int, features: tuple):
     """Chunked per-row prefill (see `prefill_core`): prompts [B, P] -> (cache with every row's prompt written,

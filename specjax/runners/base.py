@@ -261,6 +261,8 @@ class DeviceVariant:
     # A row's state has the same shapes whatever its prompt bucket (nothing in it is sized by the prompt), so the
     # slot loop may prefill a short prompt in a smaller bucket than the engine's and insert it all the same.
     prompt_free_state = False
+    # The variant can prefill a prompt's suffix on top of a computed prefix's KV (`prefill_after`).
+    shares_prefix = False
 
     def state_shapes(self, b, sampling):
         B, P = b.batch, b.prompt_len

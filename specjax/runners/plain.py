@@ -18,6 +18,7 @@ class PlainVariant(DeviceVariant):
     steps per loop call while streaming."""
 
     prompt_free_state = True
+    shares_prefix = True
 
     def __init__(self, llm, stream: Callable[[int, str], None] | None = None, chunk: int = STREAM_CHUNK):
         self.llm, self.stream, self.chunk = llm, stream, chunk
@@ -27,6 +28,10 @@ class PlainVariant(DeviceVariant):
 
     def prefill(self, b, tokens, lens, active, sampling):
         return engine.prefill(self.llm.params, self.llm.config, b, tokens, lens, active, sampling)
+
+    def prefill_after(self, b, prefix, tokens, lens, active, sampling):
+        return engine.prefill_after_prefix(self.llm.params, self.llm.config, prefix, tokens, lens, active, sampling,
+                                           b.max_new)
 
     def dec(self, state):
         return state

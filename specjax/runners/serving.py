@@ -77,6 +77,7 @@ class EngineOptions:
     max_stop_ids: int = 8
     all_options: bool = True
     context_per_request: bool = False
+    share_prefix: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name, low in (("max_batch", 1), ("max_prompt_tokens", 1), ("max_tokens", 1), ("max_queue", 0),
@@ -84,6 +85,8 @@ class EngineOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise RequestError(f"invalid {name}={value!r}: must be an integer >= {low}")
+        if not isinstance(self.share_prefix, tuple) or not all(isinstance(t, int) for t in self.share_prefix):
+            raise RequestError("invalid share_prefix: must be a tuple of token ids")
 
 
 # ----------------------------------------------------------------------------------------------------- events
@@ -198,7 +201,7 @@ class SlotPrograms:
         # prefill costs its bucket's tokens up to PREFILL_CHUNK (longer buckets are prefilled per row in chunks,
         # which costs a row its own length), so a 20-token chat prompt on a 1024-token server pays 32, not 128.
         P = buckets.prompt_len
-        self.prompt_buckets = tuple(b for b in (32, 64) if b < P) + (P,) if variant.prompt_free_state else (P,)
+        self.prompt_buckets = tuple(b for b in (16, 32, 64) if b < P) + (P,) if variant.prompt_free_state else (P,)
 
     def bucket_for(self, n: int) -> int:
         """The prompt bucket a prompt of n tokens is prefilled in."""
@@ -218,6 +221,17 @@ class SlotPrograms:
             state = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             done = jnp.full((self.bB.batch,), engine.FINISH_LENGTH, jnp.int32)
             return self.variant.with_dec(state, self.variant.dec(state)._replace(finish=done))
+
+    def suffix_buckets(self, prefix_len: int) -> tuple[int, ...]:
+        """The buckets a prompt's suffix after a shared prefix of prefix_len tokens may be prefilled in
+        (`prefill_after`): the short ones that fit the cache after the prefix."""
+        if not self.variant.shares_prefix:
+            return ()
+        return tuple(b for b in self.prompt_buckets if b <= 64 and prefix_len + b <= self.b1.capacity)
+
+    def prefill_after(self, prefix, tokens, lens, active, sampling):
+        """prefill for a prompt whose first tokens' KV is the batch-1 cache `prefix`: tokens [1, S] are the rest."""
+        return self.variant.prefill_after(self.b1, prefix, tokens, lens, active, sampling)
 
     def insert(self, state, row, slot: int):
         from specjax import engine
@@ -333,6 +347,11 @@ class ServingEngine:
         with self._on_mesh():
             self.progs = programs(llm, buckets, o.max_batch, drafter, dparams, adaptive,
                                   self.spec if self.spec.enabled else None)
+        if o.share_prefix and not (self.progs.suffix_buckets(len(o.share_prefix))
+                                   and len(o.share_prefix) < o.max_prompt_tokens):
+            raise RequestError("share_prefix needs plain decoding and a prefix shorter than max_prompt_tokens; "
+                               "drop share_prefix")
+        self._prefix = None  # the shared prefix's batch-1 KV cache (`_prepare`)
         self.batch = self.progs.bB.batch
         self._filler = SamplingParams(max_new_tokens=1, seed=0)  # sampling values of free slots (never read)
         self._lock = threading.Condition()
@@ -536,6 +555,9 @@ class ServingEngine:
     def _prepare(self, warmup: bool) -> None:
         # The back-off break-even at this batch size, measured before any request runs (`calibrate`).
         self.progs.calibrate(self.llm, self.options.all_options)
+        if self.options.share_prefix:
+            row = self._prefill(list(self.options.share_prefix), self._filler)
+            self._prefix = self.progs.variant.dec(row).cache
         self._state = self._empty()
         self._last_read = None  # the last host copy of the outputs, None when no slot is taken
         if warmup:
@@ -564,6 +586,9 @@ class ServingEngine:
                             ignore_eos=True, seed=0)
         for P in self.progs.prompt_buckets[:-1]:  # the smaller prefill programs; the engine's own runs below
             jax.block_until_ready(self._prefill(ids, sp, P))
+        if self._prefix is not None:
+            for S in self.progs.suffix_buckets(len(self.options.share_prefix)):
+                jax.block_until_ready(self._prefill(list(self.options.share_prefix) + ids, sp, suffix_bucket=S))
         row = self._prefill(ids, sp, self.progs.prompt_buckets[-1])
         self._state = self.progs.insert(self._state, row, 0)
         self._state = self.progs.advance(self._state, self._slot_sampling, self.options.step_chunk)
@@ -573,12 +598,22 @@ class ServingEngine:
         if self.progs.drafter is not None:
             jax.device_get(self._state.stats)
 
-    def _prefill(self, ids: list[int], sp: SamplingParams, bucket: int | None = None):
+    def _prefill(self, ids: list[int], sp: SamplingParams, bucket: int | None = None,
+                 suffix_bucket: int | None = None):
+        """A request's batch-1 state: its prompt prefilled in `bucket` (default: the smallest that holds it), or,
+        when it begins with the shared prefix, its suffix after the prefix's KV (in `suffix_bucket`, default: the
+        smallest that holds it; the whole prompt when none does)."""
+        sampling = sampling_arrays(self.tokenizer, [sp], 1, self.progs.bB.num_stop, [ids], self.llm.config.vocab_size,
+                                   all_options=self.options.all_options)
+        pre = self.options.share_prefix
+        if self._prefix is not None and bucket is None and len(ids) > len(pre) and tuple(ids[:len(pre)]) == pre:
+            rest = ids[len(pre):]
+            S = suffix_bucket or next((b for b in self.progs.suffix_buckets(len(pre)) if b >= len(rest)), None)
+            if S is not None:
+                tokens, lens, active = pad_prompts([rest], 1, S)
+                return self.progs.prefill_after(self._prefix, tokens, lens, active, sampling)
         tokens, lens, active = pad_prompts([ids], 1, bucket or self.progs.bucket_for(len(ids)))
-        return self.progs.prefill(tokens, lens, active, sampling_arrays(self.tokenizer, [sp], 1,
-                                                                        self.progs.bB.num_stop, [ids],
-                                                                        self.llm.config.vocab_size,
-                                                                        all_options=self.options.all_options))
+        return self.progs.prefill(tokens, lens, active, sampling)
 
     def _read(self):
         """(out_tokens [B, max_new], num_new [B], finish [B]) on the host (waits for the device)."""
@@ -806,8 +841,8 @@ class ServingEngine:
 
 def run_queued(llm, prompt_ids: Sequence[Sequence[int]], params: Sequence[SamplingParams], speculative,
                max_batch: int, on_text: Callable[[int, str], None] | None = None, step_chunk: int = 32,
-               progress: bool = False, on_result: Callable[[int, Result], None] | None = None
-               ) -> list[Result] | None:
+               progress: bool = False, on_result: Callable[[int, Result], None] | None = None,
+               share_prefix: bool = False) -> list[Result] | None:
     """Generate for every request with at most `max_batch` running at once, the rest queued: `LLM.generate`
     past max_num_seqs, and the distillation corpora (`specjax.train.answer`). A finished row's slot takes the next
     request at once (continuous batching), so a short request never waits for the longest one of a fixed batch.
@@ -818,13 +853,16 @@ def run_queued(llm, prompt_ids: Sequence[Sequence[int]], params: Sequence[Sampli
     without stop strings nothing is detokenized while decoding. step_chunk: steps between host check-ins at most (the loop returns earlier
     when a slot frees); progress: a tqdm bar over finished requests on stderr. on_result(i, result): request i
     finished; with it nothing is kept and None is returned (a corpus of many requests), else one Result per
-    request, in order. A request that fails raises its error; nothing is left running."""
+    request, in order. share_prefix: with plain decoding, the prompts' common prefix is prefilled once
+    (`EngineOptions.share_prefix`: for corpora, whose first tokens may then differ from `LLM.generate`'s in
+    rounding). A request that fails raises its error; nothing is left running."""
     n = len(prompt_ids)
     params = list(params)
     options = EngineOptions(max_batch=max(1, min(max_batch, n)), max_prompt_tokens=max(map(len, prompt_ids)),
                             max_tokens=max(p.max_new_tokens for p in params), max_queue=n, step_chunk=step_chunk,
                             max_stop_ids=max(1, num_stop(llm.tokenizer, params)), all_options=uses_options(params),
-                            context_per_request=True)
+                            context_per_request=True,
+                            share_prefix=common_prefix(prompt_ids) if share_prefix and speculative is None else ())
     engine = ServingEngine(llm, speculative, options)
     events: collections.deque = collections.deque()
     results: list[Result | None] | None = None if on_result is not None else [None] * n
@@ -865,6 +903,19 @@ def run_queued(llm, prompt_ids: Sequence[Sequence[int]], params: Sequence[Sampli
         if bar is not None:
             bar.close()
     return results
+
+
+def common_prefix(prompts: Sequence[Sequence[int]], minimum: int = 8) -> tuple[int, ...]:
+    """The longest token prefix every prompt starts with, less one token (each prompt keeps a suffix); () when
+    that is shorter than `minimum` tokens (not worth a program of its own)."""
+    first = [int(t) for t in prompts[0]]
+    n = len(first) - 1
+    for p in prompts[1:]:
+        m = min(n, len(p) - 1)
+        n = next((i for i in range(m) if int(p[i]) != first[i]), m)
+        if n < minimum:
+            return ()
+    return tuple(first[:n]) if n >= minimum else ()
 
 
 def _describe(e: BaseException) -> str:

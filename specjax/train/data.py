@@ -164,7 +164,8 @@ def generate_dataset(llm, prompts: list[Prompt], *, max_new: int = 160, batch: i
     if todo:
         samplings = [SamplingParams(max_new_tokens=max_new, temperature=plan[j][1],
                                     seed=answer_seed(seed, plan[j][0].index, plan[j][2])) for j in todo]
-        run_queued(llm, [ids[j] for j in todo], samplings, None, batch, step_chunk=16, on_result=finished)
+        run_queued(llm, [ids[j] for j in todo], samplings, None, batch, step_chunk=16, on_result=finished,
+                   share_prefix=True)
     if progress:
         bar.close()
     L = min(-(-int(length.max()) // 32) * 32, tokens.shape[1])

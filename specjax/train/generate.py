@@ -126,7 +126,8 @@ def generate(llm, requests: Sequence[Request], shape: GenShape, *, seed: int, ph
     run_queued(llm, [np.asarray(q.tokens).tolist() for q in requests],
                [SamplingParams(max_new_tokens=q.max_new, temperature=q.temperature,
                                seed=request_seed(seed, phase, q.id)) for q in requests],
-               None, shape.batch, step_chunk=shape.steps, on_result=finished)
+               None, shape.batch, step_chunk=shape.steps, on_result=finished,
+               share_prefix=True)
     if waiting:
         emit(waiting)
     return {"sequences": len(requests), "response_tokens": made[0], "seconds": time.perf_counter() - t0}

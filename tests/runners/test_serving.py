@@ -85,14 +85,14 @@ def test_concurrent_requests_match_one_at_a_time_and_compile_nothing(llm, engine
 
 
 def test_short_prompts_use_smaller_prefill_buckets_with_the_same_tokens(llm):
-    """A plain engine prefills a prompt in the smallest of its prompt buckets that holds it (32, 64, its own);
+    """A plain engine prefills a prompt in the smallest of its prompt buckets that holds it (16, 32, 64, its own);
     every bucket compiles at warm-up, and the tokens are LLM.generate's whatever the bucket."""
     eng = ServingEngine(llm, None, EngineOptions(max_batch=2, max_prompt_tokens=200, max_tokens=6)).start()
     try:
-        assert eng.progs.prompt_buckets == (32, 64, 256)
-        assert [eng.progs.bucket_for(n) for n in (1, 32, 33, 64, 65, 200)] == [32, 32, 64, 64, 256, 256]
+        assert eng.progs.prompt_buckets == (16, 32, 64, 256)
+        assert [eng.progs.bucket_for(n) for n in (1, 16, 17, 33, 64, 65, 200)] == [16, 16, 32, 64, 64, 256, 256]
         before = eng.compiles
-        prompts = ["x" * n for n in (3, 40, 150)]  # one prompt per bucket
+        prompts = ["x" * n for n in (3, 20, 40, 150)]  # one prompt per bucket
         results = [eng.generate(llm.tokenizer.encode(p), SamplingParams(max_tokens=6, temperature=0))[0]
                    for p in prompts]
         assert eng.compiles == before
@@ -102,6 +102,32 @@ def test_short_prompts_use_smaller_prefill_buckets_with_the_same_tokens(llm):
         eng.shutdown()
     spec = ServingEngine(llm, {"method": "ngram"}, EngineOptions(max_batch=2, max_prompt_tokens=200, max_tokens=6))
     assert spec.progs.prompt_buckets == (256,)  # a speculative row's history is sized by the prompt bucket
+
+
+def test_a_shared_prefix_is_prefilled_once_and_prompts_after_it_get_their_tokens(llm, monkeypatch):
+    """share_prefix: the prefix's KV is computed at start; a prompt that begins with it runs only its suffix
+    (`prefill_after`), any other prompt its whole prefill; no compile after warm-up; greedy tokens as alone."""
+    pre = "You are a helpful assistant. "
+    enc = llm.tokenizer.encode
+    options = EngineOptions(max_batch=2, max_prompt_tokens=100, max_tokens=6, share_prefix=tuple(enc(pre)))
+    eng = ServingEngine(llm, None, options).start()
+    calls = []
+    real = eng.progs.prefill_after
+    monkeypatch.setattr(eng.progs, "prefill_after", lambda *a: calls.append(1) or real(*a))
+    try:
+        before = eng.compiles
+        prompts = [pre + "hi", pre + "x" * 50, "no prefix here", pre[:10]]
+        results = [eng.generate(enc(p), SamplingParams(max_tokens=6, temperature=0))[0] for p in prompts]
+        assert eng.compiles == before
+        assert len(calls) == 2  # the two prompts that begin with the prefix
+        for p, r in zip(prompts, results):
+            assert r.token_ids == reference(llm, p, max_tokens=6, temperature=0).token_ids, p
+    finally:
+        eng.shutdown()
+    with pytest.raises(RequestError, match="share_prefix needs plain decoding"):
+        ServingEngine(llm, {"method": "ngram"}, options)
+    assert serving.common_prefix([enc(pre + "a"), enc(pre + "bc"), enc(pre)]) == tuple(enc(pre))[:-1]
+    assert serving.common_prefix([enc("abc"), enc("abd")]) == ()  # shorter than 8 tokens: not shared
 
 
 def test_stop_strings_cut_like_generate_and_are_never_streamed(llm, engine):
