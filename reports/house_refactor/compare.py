@@ -4,7 +4,7 @@ import json
 import sys
 
 before, after = (json.load(open(p))["runs"]["0.0"] for p in sys.argv[1:3])
-print("| method | before tok/s | after tok/s | after/before | before vs plain | after vs plain | tau after |"
+print("| method | before tok/s | after tok/s | after/before | before vs plain | after vs plain | tok/fwd after |"
       " greedy = plain (after) | after tokens = before tokens |")
 print("|---|---|---|---|---|---|---|---|---|")
 for m in before["summary"]:

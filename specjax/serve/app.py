@@ -74,39 +74,7 @@ def create_app(engine: ServingEngine, model_name: str, *, api_key: str | None = 
     # Outermost of the app's own middleware: a request without the key is answered before its body is read.
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, refused=metrics.failed)
 
-    def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-        return JSONResponse(error_body(public_message(message), kind, status, param), status_code=status)
-
-    def refused(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-        """A request the server turns away itself: counted in /metrics under the status's reason."""
-        metrics.failed(_STATUS_REASONS.get(status, "bad_request"))
-        return error(status, message, kind, param)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError):
-        message, param = _describe_validation(exc.errors())
-        return refused(400, message, "invalid_request_error", param)
-
-    @app.exception_handler(_HTTPError)
-    async def http_error(request: Request, exc: _HTTPError):
-        return error(exc.status, exc.message, exc.kind, exc.param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def starlette_error(request: Request, exc: StarletteHTTPException):
-        if exc.status_code == 413:
-            return refused(413, too_large_message(limits.max_body_bytes), "invalid_request_error")
-        if exc.status_code == 400:  # FastAPI could not read the body (invalid UTF-8, nesting too deep for JSON)
-            return refused(400, "the request body could not be read as JSON (invalid UTF-8, or nested too deeply); "
-                                "send a JSON object", "invalid_request_error")
-        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return refused(exc.status_code, str(exc.detail), kind)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        # A defect, never the client's input: logged in full here, and the client gets no internals.
-        _log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        metrics.failed("error")
-        return error(500, "internal server error", "server_error")
+    _install_error_handlers(app, metrics, limits)
 
     @app.get("/health")
     async def health():
@@ -203,6 +171,45 @@ def create_app(engine: ServingEngine, model_name: str, *, api_key: str | None = 
 
     app.include_router(api)
     return app
+
+
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics, limits: ServerLimits) -> None:
+    """Every error answer of the app: the JSON error body (no internals), counted in /metrics when the server
+    turned the request away itself (the routes raise `_HTTPError` and count their own refusals)."""
+
+    def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse(error_body(public_message(message), kind, status, param), status_code=status)
+
+    def refused(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+        """A request the server turns away itself: counted in /metrics under the status's reason."""
+        metrics.failed(_STATUS_REASONS.get(status, "bad_request"))
+        return error(status, message, kind, param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        message, param = _describe_validation(exc.errors())
+        return refused(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(_HTTPError)
+    async def http_error(request: Request, exc: _HTTPError):
+        return error(exc.status, exc.message, exc.kind, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def starlette_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 413:
+            return refused(413, too_large_message(limits.max_body_bytes), "invalid_request_error")
+        if exc.status_code == 400:  # FastAPI could not read the body (invalid UTF-8, nesting too deep for JSON)
+            return refused(400, "the request body could not be read as JSON (invalid UTF-8, or nested too deeply); "
+                                "send a JSON object", "invalid_request_error")
+        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return refused(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        # A defect, never the client's input: logged in full here, and the client gets no internals.
+        _log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        metrics.failed("error")
+        return error(500, "internal server error", "server_error")
 
 
 def _single_prompt(body: CompletionRequest, metrics: ServerMetrics):
