@@ -32,7 +32,10 @@ FIGURE = re.compile(
     r"|\d%\s+(?:faster|slower)",
     re.I,
 )
-DUCK_TYPED = re.compile(r"getattr\([^)]*[\"']host_side[\"']|type\([^)]*\)\.__name__\s*==")
+# Capabilities probed instead of declared: a drafter's host side, a class name, or getattr / hasattr on the
+# objects whose interfaces declare what they can do (the model, a host-driver variant, a drafter).
+DUCK_TYPED = re.compile(r"getattr\([^)]*[\"']host_side[\"']|type\([^)]*\)\.__name__\s*=="
+                        r"|(?:getattr|hasattr)\((?:self\.)?(?:llm|variant|drafter)\s*,")
 
 
 def package_sources() -> list[tuple[str, str]]:
@@ -118,6 +121,9 @@ def test_figure_look_alikes_pass(comment):
 
 def test_planted_duck_typed_capability_is_caught():
     planted = ('if getattr(drafter, "host_side", False):\n    pass\n'
-               'cfg = d.config if type(d).__name__ == "DraftModelDrafter" else None\n')
-    assert len(duck_typed_capabilities("x.py", planted)) == 2
+               'cfg = d.config if type(d).__name__ == "DraftModelDrafter" else None\n'
+               'on_mesh = getattr(llm, "on_mesh", contextlib.nullcontext)\n'
+               'if getattr(variant, "adaptive", None) is None or not hasattr(variant, "slot_break_even"):\n'
+               '    pass\n')
+    assert len(duck_typed_capabilities("x.py", planted)) == 4
     assert duck_typed_capabilities("x.py", "if drafter.capabilities.host_side:\n    pass\n") == []

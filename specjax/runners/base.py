@@ -96,7 +96,7 @@ def run_to_end(steps: Generator):
 def generate(llm, prompts, ids: list[list[int]], params: list, variant) -> list[RequestOutput]:
     """Generate for `ids` (token lists, one per prompt; `prompts` as the user gave them) with one variant. With
     `variant.stream` set, new text is handed to stream(prompt_index, new_text) while decoding (`stream_events`)."""
-    if getattr(variant, "stream", None) is not None:
+    if variant.stream is not None:
         return drain(stream_events(llm, prompts, ids, params, variant), variant.stream)
     with compile_time.watch(compile_time.say) as ct:
         b, sampling, state, t0, ttft = _start(llm, ids, params, variant)
@@ -170,7 +170,7 @@ def check_memory(llm, b, variant, what: str = "this generation") -> None:
     from specjax.memory import preflight
 
     draft_config = capabilities_of(variant.drafter).draft_config
-    itemsize = np.dtype(jnp.dtype(getattr(llm, "dtype", None) or "float32")).itemsize
+    itemsize = np.dtype(jnp.dtype(llm.dtype)).itemsize
     preflight(llm.config, b, itemsize, max(1, variant.extra_slots), draft_config, what=what)
 
 
@@ -261,6 +261,8 @@ class DeviceVariant:
     # A row's state has the same shapes whatever its prompt bucket (nothing in it is sized by the prompt), so the
     # slot loop may prefill a short prompt in a smaller bucket than the engine's and insert it all the same.
     prompt_free_state = False
+    # The back-off rule of a speculative variant (`backoff.Adaptive`); None: always speculate, or plain decoding.
+    adaptive = None
     # The variant can prefill a prompt's suffix on top of a computed prefix's KV (`prefill_after`).
     shares_prefix = False
 
@@ -273,6 +275,11 @@ class DeviceVariant:
 
     def tracing(self):
         return contextlib.nullcontext()
+
+    def slot_break_even(self, b, state, sampling) -> float | None:
+        """The back-off break-even at the slot loop's batch, measured on a dummy row (`SpecVariant`); None: the
+        variant has no back-off to calibrate."""
+        return None
 
     def chunks(self, b, state, sampling, ids):
         yield from ()  # nothing to show before the loop ends: the text comes with the outputs

@@ -30,7 +30,6 @@ limit) is cut back to the last whole line and ends the job with a BatchError; a 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import sys
 import time
@@ -79,7 +78,7 @@ def run_job(llm, input_path: str, output_path: str, *, sampling: SamplingParams 
     say = lambda msg: print(f"specjax batch: {msg}", file=err, flush=True)
     extra = 0
     # A model on a device mesh runs every program under it (`LLM.on_mesh`); the slots spread over its data axis.
-    on_mesh = getattr(llm, "on_mesh", contextlib.nullcontext)
+    on_mesh = llm.on_mesh
     if spec.enabled:
         with on_mesh():
             drafter, _ = drafter_for(llm, spec)  # built once per LLM: the engine reuses it

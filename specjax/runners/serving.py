@@ -25,7 +25,6 @@ admitted run until a deadline, then cancels the rest.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import itertools
 import threading
@@ -193,7 +192,7 @@ class SlotPrograms:
 
     def __init__(self, variant, buckets, batch: int):
         self.variant = variant
-        self.drafter = getattr(variant, "drafter", None)
+        self.drafter = variant.drafter
         self.b1 = dataclasses.replace(buckets, batch=1)
         self.bB = dataclasses.replace(buckets, batch=batch)
         self.floor: float | None = None  # the back-off break-even at batch B (`calibrate`); None = the default
@@ -252,7 +251,7 @@ class SlotPrograms:
         second job or engine of the same shape does not measure again. A no-op for plain decoding, a variant
         without a back-off rule, or the Neuron policy."""
         v = self.variant
-        if getattr(v, "adaptive", None) is None or not hasattr(v, "slot_break_even"):
+        if v.adaptive is None:
             return None
         B, P, n_stop, V = self.bB.batch, self.bB.prompt_len, self.bB.num_stop, llm.config.vocab_size
         ids = [(i % max(1, V - 1)) + 1 for i in range(min(16, P))]
@@ -270,7 +269,7 @@ def programs(llm, buckets, batch: int, drafter=None, dparams=None, adaptive=None
     """The engine's programs for a drafter (None: plain decoding): under the Neuron policy when llm.backend is
     'neuron' (the NeuronRunner's ahead-of-time compiled prefill at batch 1 and straight-line fused step at a
     Neuron batch bucket, 4 steps a call), else the plain or speculative variant."""
-    if getattr(llm, "backend", None) == "neuron":
+    if llm.backend == "neuron":
         from specjax.backends import neuron
         from specjax.runners.neuron import NeuronVariant
 
@@ -326,7 +325,7 @@ class ServingEngine:
         extra = 0
         # A model on a device mesh traces and runs every program under it (`LLM.on_mesh`), here and in the engine
         # thread: the mesh context is per thread.
-        self._on_mesh = getattr(llm, "on_mesh", contextlib.nullcontext)
+        self._on_mesh = llm.on_mesh
         if self.spec.enabled:
             with self._on_mesh():
                 drafter, dparams = drafter_for(llm, self.spec)
