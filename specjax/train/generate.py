@@ -138,9 +138,12 @@ def run_phase(llm, out: str, phase: str, requests: Sequence[Request], shape: Gen
     """Generate the blocks of `requests` the corpus OUT/phase does not hold yet. Returns the phase summary."""
     config = llm.config
     feature_width = len(features) * config.hidden_size
+    # Slots and steps per check-in do not change the answers (per-request seeds): a resume may change them. refill
+    # was a setting of the generator's own loop before it ran on the serving engine; corpora list it.
     writer = CorpusWriter(os.path.join(out, phase), dict(header, phase=phase, shape=shape._asdict(), block=block,
                                                          requests=len(requests), feature_width=feature_width,
-                                                         features=list(map(str, features))))
+                                                         features=list(map(str, features))),
+                          run_settings=("batch", "steps", "refill"))
     done_blocks = writer.done_blocks
     todo = [r for r in requests if r.id // block not in done_blocks]
     need: dict[int, int] = {}

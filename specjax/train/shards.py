@@ -149,14 +149,23 @@ def pack_shard(seqs: Sequence[Sequence_], vocab_size: int) -> dict[str, np.ndarr
     }
 
 
+def _corpus_part(header: dict, run_settings: tuple[str, ...]) -> dict:
+    """The header without its run settings (`CorpusWriter`)."""
+    if not run_settings or not isinstance(header.get("shape"), dict):
+        return header
+    return dict(header, shape={k: v for k, v in header["shape"].items() if k not in run_settings})
+
+
 class CorpusWriter:
     """Appends shards to a corpus directory and keeps its manifest; reopening an existing corpus resumes it.
 
     header: what the corpus is (tokenizer and target fingerprints, generation settings, feature layout); a
-    corpus started with another header is refused rather than mixed.
+    corpus started with another header is refused rather than mixed. run_settings: the header's keys under "shape"
+    that say how a run went, not what the corpus is (batch size, steps per check-in): a resume may change them, and
+    a manifest may hold ones this version no longer writes.
     """
 
-    def __init__(self, root: str, header: dict):
+    def __init__(self, root: str, header: dict, run_settings: tuple[str, ...] = ()):
         self.root = root
         os.makedirs(root, exist_ok=True)
         path = os.path.join(root, MANIFEST)
@@ -164,8 +173,9 @@ class CorpusWriter:
         if os.path.exists(path):
             man = read_manifest(root)
             old = {k: v for k, v in man.items() if k != "shards"}
-            if old != header:
-                diff = sorted(k for k in set(old) | set(header) if old.get(k) != header.get(k))
+            was, now = _corpus_part(old, run_settings), _corpus_part(header, run_settings)
+            if was != now:
+                diff = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
                 raise ShardError(f"{path}: this corpus was made with other settings ({', '.join(diff)} differ); "
                                  "use another --out directory or the settings it was made with")
             self.manifest = man

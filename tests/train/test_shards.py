@@ -72,6 +72,22 @@ def test_resume_drops_unlisted_shard_and_refuses_other_settings(tmp_path):
         CorpusWriter(root, dict(HEADER, seed=1))
 
 
+def test_a_resume_may_change_run_settings_but_not_the_corpus_shape(tmp_path):
+    """Run settings (slots, steps, a setting an older generator wrote) may differ on a resume; the prompt and
+    output buckets may not."""
+    root = str(tmp_path / "c")
+    old = dict(HEADER, shape={"batch": 256, "prompt_len": 128, "max_new": 384, "refill": 32, "steps": 8})
+    CorpusWriter(root, old).add(0, _seqs(0), 300)
+    run = ("batch", "steps", "refill")
+    w = CorpusWriter(root, dict(HEADER, shape={"batch": 64, "prompt_len": 128, "max_new": 384, "steps": 4}), run)
+    assert w.done_blocks == {0}
+    assert read_manifest(root)["shape"]["refill"] == 32  # the manifest keeps what the corpus was started with
+    with pytest.raises(ShardError, match=r"other settings \(shape differ\)"):
+        CorpusWriter(root, dict(HEADER, shape={"batch": 64, "prompt_len": 64, "max_new": 384, "steps": 4}), run)
+    with pytest.raises(ShardError, match="other settings"):  # without run settings every key counts
+        CorpusWriter(root, dict(HEADER, shape={"batch": 64, "prompt_len": 128, "max_new": 384, "steps": 4}))
+
+
 def test_corrupt_shard_names_the_file(tmp_path):
     root = _corpus(tmp_path)
     path = os.path.join(root, "shard-00001.npz")
