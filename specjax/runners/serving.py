@@ -843,18 +843,19 @@ def run_queued(llm, prompt_ids: Sequence[Sequence[int]], params: Sequence[Sampli
                progress: bool = False, on_result: Callable[[int, Result], None] | None = None,
                share_prefix: bool = False) -> list[Result] | None:
     """Generate for every request with at most `max_batch` running at once, the rest queued: `LLM.generate`
-    past max_num_seqs, and the distillation corpora (`specjax.train.answer`). A finished row's slot takes the next
-    request at once (continuous batching), so a short request never waits for the longest one of a fixed batch.
-    Shapes come from the requests (longest prompt, largest max_new_tokens), so every program compiles once for
-    the call. The engine runs on this thread (`ServingEngine.step`), so every callback is called here.
+    past max_num_seqs, and the distillation corpora (`specjax.train.generate`, `specjax.train.data`). A finished
+    row's slot takes the next request at once (continuous batching), so a short request never waits for the
+    longest one of a fixed batch. Shapes come from the requests (longest prompt, largest max_new_tokens), so every
+    program compiles once for the call. The engine runs on this thread (`ServingEngine.step`), so every callback is
+    called here.
 
     on_text(i, new_text): request i's text as it grows (the pieces join to its result's text); without it and
-    without stop strings nothing is detokenized while decoding. step_chunk: steps between host check-ins at most (the loop returns earlier
-    when a slot frees); progress: a tqdm bar over finished requests on stderr. on_result(i, result): request i
-    finished; with it nothing is kept and None is returned (a corpus of many requests), else one Result per
-    request, in order. share_prefix: with plain decoding, the prompts' common prefix is prefilled once
-    (`EngineOptions.share_prefix`: for corpora, whose first tokens may then differ from `LLM.generate`'s in
-    rounding). A request that fails raises its error; nothing is left running."""
+    without stop strings nothing is detokenized while decoding. step_chunk: steps between host check-ins at most
+    (the loop returns earlier when a slot frees). progress: a tqdm bar over finished requests on stderr.
+    on_result(i, result): request i finished; with it nothing is kept and None is returned (a corpus of many
+    requests), else one Result per request, in order. share_prefix: with plain decoding, the prompts' common
+    prefix is prefilled once (`EngineOptions.share_prefix`: for corpora, whose first tokens may then differ from
+    `LLM.generate`'s in rounding). A request that fails raises its error; nothing is left running."""
     n = len(prompt_ids)
     params = list(params)
     options = EngineOptions(max_batch=max(1, min(max_batch, n)), max_prompt_tokens=max(map(len, prompt_ids)),

@@ -104,3 +104,19 @@ def progress_bar(it, enabled: bool, **kw):
     from tqdm import tqdm
 
     return tqdm(it, **kw)
+
+
+def derived_seed(*parts: int) -> int:
+    """A uint32 sampling seed that is a function of `parts` only (a run seed and a request's identity), so a
+    request's sample depends neither on its batch nor on the order the engine runs it in."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint32)[0])
+
+
+def pad_rows(seqs: list[np.ndarray], rows: int, multiple: int = 64, width: int | None = None) -> np.ndarray:
+    """Token sequences right-padded with zeros into [rows, T] int32 (rows >= len(seqs)), T their longest length
+    rounded up to `multiple` (at most `width`): one compiled shape per bucket for a teacher-forced forward."""
+    T = -(-max(len(s) for s in seqs) // multiple) * multiple
+    out = np.zeros((rows, T if width is None else min(T, width)), np.int32)
+    for r, s in enumerate(seqs):
+        out[r, :len(s)] = s
+    return out

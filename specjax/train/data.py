@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.train.common import progress_bar
+from specjax.train.common import derived_seed, pad_rows, progress_bar
 from specjax.train.features import teacher_forced
 from specjax.train.prompts import Prompt, build_prompts, is_heldout
 from specjax.errors import SpecjaxError
@@ -201,11 +201,9 @@ def score_block(llm, work: dict[str, np.ndarray], rows: list[int], batch: int, f
     past each response). Returns the target `features` at every position [len(rows), T, F] float16, or None."""
     tokens, prompt_len, length = work["tokens"], work["prompt_len"], work["length"]
     max_new, top_k = work["topk_ids"].shape[1:]
-    T = min(-(-int(max(length[j] for j in rows)) // 64) * 64, tokens.shape[1])
-    seq = np.zeros((batch, T), np.int32)
+    seq = pad_rows([tokens[j, :length[j]] for j in rows], batch, width=tokens.shape[1])
     at = np.zeros((batch, max_new), np.int32)
     for r, j in enumerate(rows):
-        seq[r, :length[j]] = tokens[j, :length[j]]
         # Response step i is predicted at position prompt_len - 1 + i (past the end: the last position).
         at[r] = np.minimum(prompt_len[j] - 1 + np.arange(max_new), max(length[j] - 1, 0))
     f, (lp, ix) = jax.device_get(teacher_forced(llm.params, llm.config, seq, features, at, top_k, jnp.float16))
@@ -236,9 +234,8 @@ def spread_features(block_feats: dict[int, np.ndarray], blocks: list[list[int]],
 
 
 def answer_seed(seed: int, index: int, answer: int) -> int:
-    """The sampling seed of answer `answer` to prompt `index`: a function of the run seed and those two only, so a
-    row's sample does not depend on its batch or on the order the engine runs it in."""
-    return int(np.random.SeedSequence([seed, index, answer]).generate_state(1, np.uint32)[0])
+    """The sampling seed of answer `answer` to prompt `index`: a function of the run seed and those two only."""
+    return derived_seed(seed, index, answer)
 
 
 def save_dataset(path: str, arrays: dict[str, np.ndarray], meta: dict) -> None:

@@ -31,18 +31,14 @@ class FeatureError(TrainError):
 @functools.partial(jax.jit, static_argnames=("config", "layers", "dtype"))
 def target_features(params: dict, config: LlamaConfig, tokens: jax.Array, layers: tuple = (), dtype=jnp.float32):
     """tokens [B, T] -> (final hidden state after the last norm [B, T, H], outputs of `layers` concatenated
-    [B, T, len(layers) * H]; None without layers), in `dtype`, from one causal forward."""
-    B, T = tokens.shape
-    cache = init_cache(config.num_layers, B, T, config.num_kv_heads, config.head_dim, params["embed"].dtype)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
-    out = forward(params, config, tokens, pos, cache, hidden_layers=layers, compute_logits=False)
-    lay = jnp.concatenate(list(out.layer_hidden), axis=-1).astype(dtype) if layers else None
-    return out.hidden.astype(dtype), lay
+    [B, T, len(layers) * H]; None without layers), in `dtype`, from one causal forward (`teacher_forced`)."""
+    feats, _ = _teacher_forced(params, config, tokens, ("final",) + tuple(layers), dtype=dtype)
+    H = config.hidden_size
+    return feats[..., :H], (feats[..., H:] if layers else None)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "features", "top_k", "dtype"))
-def teacher_forced(params: dict, config: LlamaConfig, tokens: jax.Array, features: tuple = (),
-                   logit_positions: jax.Array | None = None, top_k: int = 0, dtype=jnp.float32):
+def _teacher_forced(params: dict, config: LlamaConfig, tokens: jax.Array, features: tuple = (),
+                    logit_positions: jax.Array | None = None, top_k: int = 0, dtype=jnp.float32):
     """One causal forward over finished sequences tokens [B, T] (prompt then response, zero-padded): what the
     distillation corpora keep of the target besides its tokens.
 
@@ -62,6 +58,10 @@ def teacher_forced(params: dict, config: LlamaConfig, tokens: jax.Array, feature
     if scored:
         top = two_stage_top_k(jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1), top_k)
     return feats, top
+
+
+# `teacher_forced`: the jitted entry point (jax.jit keeps the docstring); `target_features` traces the body inline.
+teacher_forced = jax.jit(_teacher_forced, static_argnames=("config", "features", "top_k", "dtype"))
 
 
 def final_hidden(params: dict, config: LlamaConfig, tokens: jax.Array) -> jax.Array:

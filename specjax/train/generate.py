@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from specjax.train.common import derived_seed, pad_rows
 from specjax.train.shards import (FINISH_LENGTH, FINISH_STOP, CorpusWriter, Sequence_, ShardError, is_heldout,
                                   open_corpus, iter_examples, target_fingerprint, tokenizer_fingerprint)
 
@@ -57,8 +58,7 @@ class GenShape(NamedTuple):
 
 def request_seed(seed: int, phase: str, request: int) -> int:
     """A request's sampling seed: a function of the run seed, the phase and the request id only."""
-    ss = np.random.SeedSequence([seed, sum(map(ord, phase)), request])
-    return int(ss.generate_state(1, np.uint32)[0])
+    return derived_seed(seed, sum(map(ord, phase)), request)
 
 
 # ------------------------------------------------------------------------------------------------- device
@@ -66,10 +66,6 @@ def request_seed(seed: int, phase: str, request: int) -> int:
 
 # Finished sequences whose features are computed together, in one teacher-forced forward.
 FEATURE_BATCH = 8
-
-
-def _bucket(n: int) -> int:
-    return -(-n // 64) * 64
 
 
 def generate(llm, requests: Sequence[Request], shape: GenShape, *, seed: int, phase: str,
@@ -103,9 +99,7 @@ def generate(llm, requests: Sequence[Request], shape: GenShape, *, seed: int, ph
         feats = [None] * len(batch)
         if features:
             seqs = [np.concatenate([np.asarray(q.tokens, np.int32), resp]) for q, resp, _ in batch]
-            tokens = np.zeros((FEATURE_BATCH, _bucket(max(map(len, seqs)))), np.int32)
-            for k, t in enumerate(seqs):
-                tokens[k, :len(t)] = t
+            tokens = pad_rows(seqs, FEATURE_BATCH)
             f = np.asarray(jax.device_get(teacher_forced(llm.params, llm.config, tokens, tuple(features),
                                                          dtype=jnp.bfloat16)[0]))
             feats = [f[k, :len(t)] for k, t in enumerate(seqs)]
